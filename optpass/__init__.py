@@ -1,0 +1,35 @@
+"""optpass: a torch.compile backend that rewrites whole training steps.
+
+    step = torch.compile(train_step, backend="optpass", options={...})
+    print(optpass.explain(train_step, x, y))
+
+See README.md for the supported step shape, the options and the passes.
+"""
+
+from optpass.backend import optpass_backend
+from optpass.capture import BackwardOutsideGraphWarning, GraphKind, RecompilingUpdateWarning
+from optpass.errors import OptpassError
+from optpass.explain import Explanation, explain
+from optpass.options import options_help
+from optpass.passes import PASSES
+from optpass.report import keep_graphs, recent_reports
+from optpass.step import StepGraph
+
+__version__ = "0.1.0"
+
+_LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
+         "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory"}
+
+
+def __getattr__(name):
+    # The analysis tools load on first use: the backend itself does not need them.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'optpass' has no attribute {name!r}")
+__all__ = [
+    "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
+    "estimate_peak_memory", "MemoryEstimate", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
+    "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
+]

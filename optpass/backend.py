@@ -1,0 +1,51 @@
+"""The optpass backend: options -> capture -> pass pipeline -> lowering.
+
+``torch.compile(step, backend="optpass", options={...})`` finds this function
+through the ``torch_dynamo_backends`` entry point (no ``import optpass``
+needed) and calls it once per Dynamo graph of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from optpass import lowering
+from optpass.capture import (GraphKind, capture, enable_backward_capture, warn_backward_outside,
+                             warn_if_update_recompiles)
+from optpass.errors import OptpassError
+from optpass.options import Options
+from optpass.report import GraphReport, record
+
+# Looking the backend up (torch.compile(..., backend="optpass")) imports this
+# module before Dynamo traces anything, so backward() is captured from the first call.
+enable_backward_capture()
+
+
+def optpass_backend(gm, example_inputs, options=None, mode=None):
+    # A typo in options is an error now, not a silently different compile.
+    options = Options.from_user(options)
+    if mode not in (None, "default"):
+        raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
+    # Name every value: parameters, the gradients that become p.grad, optimizer state.
+    captured = capture(gm)
+    # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.
+    if captured.kind is GraphKind.FORWARD and options.warn_on_graph_break:
+        warn_backward_outside(captured)
+    # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
+    warn_if_update_recompiles(captured)
+    report = record(GraphReport(captured, options.lower))
+    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
+    # Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph.
+    if options.lower == "eager":
+        return lowering.lower_eager(gm, example_inputs, rewrite)
+    key = repr((options.digest(), captured.roles_digest()))
+    return lowering.lower_inductor(gm, example_inputs, rewrite, key)
+
+
+def explaining_backend(gm, example_inputs, options=None):
+    """optpass.explain's backend: the same capture and passes, run on nothing (no training)."""
+    options = Options.from_user(options)
+    captured = capture(gm)
+    report = record(GraphReport(captured, "explain (aten graph, not run)"))
+    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
+    return lowering.lower_dry(gm, example_inputs, rewrite)

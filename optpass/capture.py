@@ -1,0 +1,294 @@
+"""Capture: what Dynamo hands the backend, and the role of each of its values.
+
+A training step compiles into several Dynamo graphs (DESIGN.md facts 1-3):
+
+* a **step** graph: forward + ``torch.autograd.grad`` (the traced
+  ``loss.backward()``) + gradient transforms; each new gradient is an output
+  that Dynamo assigns to ``p.grad`` after the graph runs;
+* a **forward** graph: forward only, when ``backward()`` graph-broke (fact 19);
+  the backward then runs from eager autograd, outside optpass's reach;
+* an **update** graph: ``optimizer.step()``; gradients are placeholders
+  (``param_groups[g]['params'][i].grad``), parameters and optimizer state are
+  ``get_attr`` tensors mutated in place;
+* anything else (epilogues such as ``loss.detach()``).
+
+``capture(gm)`` classifies a Dynamo graph and names its values: parameters by
+module path (``layers.0.attn.wq.weight``, parsed from Dynamo's sources), which
+output is which parameter's gradient, which update-graph placeholder is which
+parameter's gradient. Parameters are remembered by identity across graphs, so
+the update graph's gradients are linked to the step graph's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils.weak import WeakIdKeyDictionary
+
+from optpass.errors import OptpassError, SourceLine, node_user_line, user_line_from_frames
+
+# Names of parameters seen in step graphs, by tensor identity, so that an
+# update graph (where parameters appear as `param_groups[g]['params'][i]`)
+# reports the same module-path names.
+_PARAM_NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WARNED_LINES: set[tuple[str, int]] = set()
+# Update-graph compiles per optimizer (keyed by its parameters' identities).
+_UPDATE_COMPILES: dict[tuple[int, ...], int] = {}
+_WARNED_UPDATES: set[tuple[int, ...]] = set()
+
+
+def enable_backward_capture() -> None:
+    """Make Dynamo trace `loss.backward()` into the step's graph (fact 1).
+
+    This is process-wide Dynamo config: `torch.compile` gives a backend no
+    per-compile hook that runs before tracing, and it is inert for code that
+    never calls backward() inside a compiled function.
+    """
+    torch._dynamo.config.trace_autograd_ops = True
+
+
+class GraphKind(str, enum.Enum):
+    STEP = "step"          # forward + backward (+ gradient transforms)
+    FORWARD = "forward"    # forward only; backward() ran outside the graph
+    UPDATE = "update"      # optimizer.step()
+    OTHER = "other"
+
+
+@dataclasses.dataclass
+class Parameter:
+    name: str
+    tensor: torch.Tensor
+    input_index: int | None = None   # flat placeholder index (step/forward graphs)
+    attr: str | None = None          # get_attr target (update graphs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """One Dynamo graph and the roles of its values."""
+
+    gm: torch.fx.GraphModule
+    kind: GraphKind
+    compile_id: str
+    split_reason: str | None              # why Dynamo ended the graph here (a graph break), if it did
+    split_line: SourceLine | None
+    backward_line: SourceLine | None      # the user's loss.backward() line
+    params: list[Parameter]
+    # step graphs: parameter name -> index of the Dynamo output that becomes p.grad
+    gradient_outputs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # step graphs: parameter names whose output accumulates into an existing .grad
+    accumulating: set[str] = dataclasses.field(default_factory=set)
+    # update graphs: parameter name -> placeholder index of p.grad
+    gradient_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # update graphs: get_attr targets of optimizer-state tensors
+    state_attrs: list[str] = dataclasses.field(default_factory=list)
+    # update graphs: placeholder index -> Dynamo source of a hyper-parameter input (e.g. lr)
+    hyperparameter_inputs: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def param_by_name(self) -> dict[str, Parameter]:
+        return {p.name: p for p in self.params}
+
+    def roles_digest(self) -> str:
+        """A stable summary of the roles (part of the Inductor cache key of a rewrite)."""
+        return repr((self.kind.value, sorted((p.name, p.input_index, p.attr) for p in self.params),
+                     sorted(self.gradient_outputs.items()), sorted(self.accumulating),
+                     sorted(self.gradient_inputs.items())))
+
+
+# ---------------------------------------------------------------- names
+
+_ROOT = re.compile(r"^[LG]\['[^']*'\]")
+_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.(\w+)|\['([^']+)'\]|\[(\d+)\]")
+
+
+def module_path(source_name: str) -> str:
+    """`G['model']._modules['0']._parameters['weight']` -> `0.weight`."""
+    rest = _ROOT.sub("", source_name)
+    parts = [next(g for g in m.groups() if g is not None) for m in _PART.finditer(rest)]
+    return ".".join(parts) if parts else source_name
+
+
+def _source_name(node: torch.fx.Node) -> str | None:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    return source.name if source is not None else None
+
+
+def _example(node: torch.fx.Node) -> Any:
+    grapharg = node.meta.get("grapharg")
+    if grapharg is not None:
+        return grapharg.example
+    return node.meta.get("example_value")
+
+
+# ---------------------------------------------------------------- capture
+
+def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
+    """Classify a Dynamo graph and name the roles of its values."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    grad_calls = [n for n in nodes if n.op == "call_function" and n.target is torch.autograd.grad]
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    split = reason if reason is not None and reason.graph_break else None
+    compile_id = str(gm.meta.get("dynamo_compile_id", "?"))
+
+    common = dict(
+        gm=gm, compile_id=compile_id,
+        split_reason=split.reason.strip().splitlines()[0] if split else None,
+        split_line=user_line_from_frames(split.user_stack) if split else None,
+    )
+    if grad_calls:
+        return _capture_step(placeholders, grad_calls, nodes, **common)
+    if any(_is_grad_source(_source_name(p)) and "param_groups" in (_source_name(p) or "") for p in placeholders):
+        return _capture_update(placeholders, **common)
+    params = _parameters_of(placeholders)
+    outputs_need_grad = any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in _output_examples(nodes))
+    kind = GraphKind.FORWARD if params and outputs_need_grad else GraphKind.OTHER
+    backward_line = common["split_line"] if kind is GraphKind.FORWARD else None
+    return CapturedGraph(kind=kind, backward_line=backward_line, params=params, **common)
+
+
+def _is_grad_source(name: str | None) -> bool:
+    return name is not None and name.endswith(".grad")
+
+
+def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
+    params = []
+    for index, node in enumerate(placeholders):
+        example = _example(node)
+        if isinstance(example, torch.nn.Parameter):
+            name = module_path(_source_name(node) or node.name)
+            _PARAM_NAMES[example] = name
+            params.append(Parameter(name, example, input_index=index))
+    return params
+
+
+def _output_examples(nodes: list[torch.fx.Node]) -> list[Any]:
+    output = nodes[-1]
+    return [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else None
+            for a in torch.fx.node.map_aggregate(output.args[0], lambda a: a) or ()]
+
+
+def _capture_step(placeholders, grad_calls, nodes, **common) -> CapturedGraph:
+    params = _parameters_of(placeholders)
+    _refuse_post_accumulate_grad_hooks(params)
+    by_node = {placeholders[p.input_index]: p for p in params}
+    by_source = {_source_name(placeholders[p.input_index]): p for p in params}
+    gradient_outputs, accumulating = {}, set()
+    for index, value in enumerate(nodes[-1].args[0]):
+        if not isinstance(value, torch.fx.Node):
+            continue
+        if value.op == "call_function" and value.target is torch.empty_like and value.args[0] in by_node:
+            gradient_outputs[by_node[value.args[0]].name] = index       # first gradient: new tensor
+        elif value.op == "placeholder" and _is_grad_source(_source_name(value)):
+            param = by_source.get(_source_name(value)[: -len(".grad")])
+            if param is not None:                                         # accumulation: .grad.add_(g)
+                gradient_outputs[param.name] = index
+                accumulating.add(param.name)
+    return CapturedGraph(
+        kind=GraphKind.STEP, params=params, backward_line=node_user_line(grad_calls[0]),
+        gradient_outputs=gradient_outputs, accumulating=accumulating, **common)
+
+
+def _refuse_post_accumulate_grad_hooks(params: list[Parameter]) -> None:
+    hooked = [p.name for p in params if getattr(p.tensor, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise OptpassError(
+            f"parameter(s) {', '.join(hooked)} have post-accumulate-grad hooks "
+            "(Tensor.register_post_accumulate_grad_hook). When backward() is traced into the "
+            "compiled step these hooks do not run (DESIGN.md fact 13), so training would silently "
+            "differ. Remove the hooks (for optimizer-in-backward use "
+            "options={'optimizer_in_backward': True}), or run this step without torch.compile.")
+
+
+def _capture_update(placeholders, gm, **common) -> CapturedGraph:
+    params, state_attrs = [], []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.nn.Parameter):
+            params.append(Parameter(_PARAM_NAMES.get(value, node.target), value, attr=node.target))
+        elif isinstance(value, torch.Tensor):
+            state_attrs.append(node.target)
+    gradient_inputs, hyperparameters = {}, {}
+    for index, node in enumerate(placeholders):
+        source, example = _source_name(node) or "", _example(node)
+        if _is_grad_source(source):
+            owner = next((p for p in params if p.tensor.grad is example), None)
+            if owner is not None:
+                gradient_inputs[owner.name] = index
+        elif "param_groups" in source:
+            hyperparameters[index] = source
+    return CapturedGraph(
+        kind=GraphKind.UPDATE, backward_line=None, params=params, gradient_inputs=gradient_inputs,
+        state_attrs=state_attrs, hyperparameter_inputs=hyperparameters, gm=gm, **common)
+
+
+def warn_backward_outside(captured: CapturedGraph) -> None:
+    """Warn once per source line that backward() runs outside the compiled step (fact 19)."""
+    where = captured.split_line
+    key = (where.file, where.line) if where else ("?", 0)
+    if key in _WARNED_LINES:
+        return
+    _WARNED_LINES.add(key)
+    warnings.warn(backward_outside_message(captured), BackwardOutsideGraphWarning, stacklevel=2)
+
+
+class RecompilingUpdateWarning(UserWarning):
+    """optimizer.step() compiles again for every new float hyper-parameter value."""
+
+
+def warn_if_update_recompiles(captured: CapturedGraph) -> None:
+    """An LR scheduler with a float lr that Dynamo specializes recompiles the update every step.
+
+    After 8 recompiles Dynamo silently runs the optimizer eagerly; say so on the
+    third compile of the same optimizer, with the fix (a tensor lr is a graph input, DESIGN.md fact 5).
+    Two compiles are normal (the first step creates the optimizer's state), and
+    Dynamo turns a changed float into an input once if it can (then the graph has
+    a hyper-parameter input and nothing is wrong).
+    """
+    if captured.kind is not GraphKind.UPDATE:
+        return
+    optimizer_key = tuple(sorted(id(p.tensor) for p in captured.params))
+    _UPDATE_COMPILES[optimizer_key] = compiles = _UPDATE_COMPILES.get(optimizer_key, 0) + 1
+    if compiles < 3 or captured.hyperparameter_inputs or optimizer_key in _WARNED_UPDATES:
+        return
+    _WARNED_UPDATES.add(optimizer_key)
+    warnings.warn(
+        f"optpass: optimizer.step() is being compiled for the {compiles}th time, "
+        "with its hyper-parameters baked in as constants: a float lr that an LR "
+        "scheduler changes makes every step recompile, and after torch._dynamo.config."
+        "recompile_limit recompiles the optimizer silently runs eagerly. Fix: give the optimizer "
+        "a tensor lr, e.g. torch.optim.SGD(model.parameters(), lr=torch.tensor(0.01)); schedulers "
+        "update it in place and the update graph reads it as an input.",
+        RecompilingUpdateWarning, stacklevel=2)
+
+
+class BackwardOutsideGraphWarning(UserWarning):
+    """backward() graph-broke: the step's backward runs from eager autograd, not in optpass's graph."""
+
+
+SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_grad(); return out")
+
+
+def backward_outside_message(captured: CapturedGraph) -> str:
+    where = f" at {captured.split_line}" if captured.split_line else ""
+    reason = captured.split_reason or "a graph break"
+    return (
+        f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
+        "backward() and what follows it (gradient clipping, the optimizer) then run outside the "
+        "captured graph, so optpass cannot see or rewrite them. The usual cause is reading `loss` "
+        "after opt.step() (e.g. `return loss.detach()` at the end). Fix: take the value to return "
+        f"before the optimizer: `{SUPPORTED_SHAPE}`.")

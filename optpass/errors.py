@@ -1,0 +1,62 @@
+"""Errors that say what, where (the user's source line) and what to do instead.
+
+Graph nodes carry the Python stack that created them (``node.meta["stack_trace"]``);
+``user_line`` picks the innermost frame that is the user's code rather than
+torch's or optpass's, so a refusal can point at ``clip_grad_norm_(...)`` in the
+user's file instead of at a line inside torch.nn.utils.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import traceback
+
+import torch
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+class OptpassError(RuntimeError):
+    """optpass refused a program or an input; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLine:
+    file: str
+    line: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        return f'{self.file}:{self.line} in {self.function}: {self.code.strip()}'
+
+
+def _is_user_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return not any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS) and "<frozen" not in path
+
+
+def user_line_from_frames(frames: list[traceback.FrameSummary]) -> SourceLine | None:
+    """The innermost user frame of a list of frame summaries (outermost first)."""
+    for frame in reversed(frames):
+        if _is_user_file(frame.filename):
+            return SourceLine(frame.filename, frame.lineno or 0, frame.name, frame.line or "")
+    return None
+
+
+def user_line(stack_trace: str | None) -> SourceLine | None:
+    """The innermost user frame of a node's ``meta['stack_trace']`` string."""
+    if not stack_trace:
+        return None
+    frames = [
+        traceback.FrameSummary(m["file"], int(m["line"]), m["func"], line=m["code"])
+        for m in _FRAME.finditer(stack_trace)
+    ]
+    return user_line_from_frames(frames)
+
+
+def node_user_line(node: torch.fx.Node) -> SourceLine | None:
+    return user_line(node.meta.get("stack_trace"))

@@ -1,0 +1,108 @@
+"""optpass.explain: what optpass captures from a step and what its passes do, without training.
+
+    report = optpass.explain(train_step, x, y, options={...})
+    print(report)            # for a person
+    report.to_dict()         # for tests and tools
+
+The step is compiled with optpass's capture and pass pipeline, traced to aten
+and analysed, but nothing it computes runs: every compiled graph returns zeros,
+so parameters and optimizer values are left as they were (the optimizer's
+state tensors may be created, as the first real step would). Like
+``torch._dynamo.explain`` it resets Dynamo's caches before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+from optpass.capture import GraphKind, backward_outside_message
+from optpass.options import Options
+from optpass.report import GraphReport, clear_reports, keep_graphs, recent_reports
+
+_KIND_TEXT = {
+    GraphKind.STEP: "forward + backward + gradient transforms",
+    GraphKind.FORWARD: "forward only: backward() ran outside the compiled graph",
+    GraphKind.UPDATE: "optimizer update",
+    GraphKind.OTHER: "other",
+}
+
+
+@dataclasses.dataclass
+class Explanation:
+    graphs: list[GraphReport]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [backward_outside_message(g.captured) for g in self.graphs if g.kind is GraphKind.FORWARD]
+
+    def of_kind(self, kind: GraphKind) -> list[GraphReport]:
+        return [g for g in self.graphs if g.kind is kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graphs": [g.to_dict() for g in self.graphs], "warnings": self.warnings}
+
+    def __str__(self) -> str:
+        lines = [f"optpass explain: {len(self.graphs)} graph(s) captured"]
+        for index, graph in enumerate(self.graphs):
+            lines += _describe(index, graph)
+        for warning in self.warnings:
+            lines.append(f"WARNING: {warning}")
+        return "\n".join(lines)
+
+
+def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs: Any) -> Explanation:
+    """Capture ``step_fn(*args, **kwargs)`` with optpass and report, without running its math."""
+    from optpass.backend import explaining_backend
+
+    Options.from_user(dict(options) if options else None)  # a bad option fails here, not mid-trace
+    torch._dynamo.reset()
+    clear_reports()
+    backend = functools.partial(explaining_backend, options=dict(options) if options else None)
+    try:
+        with keep_graphs():
+            torch.compile(step_fn, backend=backend)(*args, **kwargs)
+        return Explanation(recent_reports())
+    finally:
+        torch._dynamo.reset()
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MB" if nbytes >= 2**16 else f"{nbytes} B"
+
+
+def _describe(index: int, g: GraphReport) -> list[str]:
+    d = g.to_dict()
+    lines = [f"[graph {index}] {g.kind.value} (Dynamo compile {d['compile_id']}): {_KIND_TEXT[g.kind]}"]
+    if d["split_reason"]:
+        lines.append(f"    split by a graph break at {d['split_line']}: {d['split_reason']}")
+    if d["backward_line"]:
+        lines.append(f"    backward(): {d['backward_line']}")
+    if d["parameters"]:
+        names = ", ".join(d["parameters"][:8]) + (" ..." if len(d["parameters"]) > 8 else "")
+        lines.append(f"    parameters: {len(d['parameters'])} ({_mb(d['parameter_bytes'])}): {names}")
+    if g.kind is GraphKind.STEP:
+        accumulating = f", accumulating into existing .grad: {len(d['accumulating_gradients'])}" \
+            if d["accumulating_gradients"] else ""
+        lines.append(f"    gradients that become p.grad: {len(d['gradients'])}{accumulating}")
+    if g.kind is GraphKind.UPDATE:
+        lines.append(f"    gradients read: {len(d['gradients'])}; optimizer state tensors: "
+                     f"{d['optimizer_state_tensors']}; hyper-parameter inputs: "
+                     f"{', '.join(d['hyperparameter_inputs']) or 'none (constants baked in)'}")
+    if d["aten_ops_before"] is not None:
+        regions = ", ".join(f"{k} {v}" for k, v in d["regions"].items())
+        lines.append(f"    aten ops: {d['aten_ops_before']} -> {d['aten_ops_after']}; regions: {regions}")
+    for outcome in g.passes:
+        lines.append(f"    pass {outcome}")
+    if g.memory_before is not None:
+        before, after = d["memory_before"], d["memory_after"]
+        grads_before = before["bytes_by_tag_at_peak"].get("gradient", 0)
+        grads_after = after["bytes_by_tag_at_peak"].get("gradient", 0)
+        lines.append(f"    estimated peak memory: {_mb(before['peak_bytes'])} (gradients {_mb(grads_before)}) "
+                     f"before passes -> {_mb(after['peak_bytes'])} (gradients {_mb(grads_after)}) after")
+        top = ", ".join(f"{name} {_mb(size)}" for name, size, _ in after["largest_at_peak"][:3])
+        lines.append(f"    largest live at the peak: {top}")
+    return lines

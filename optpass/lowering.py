@@ -1,0 +1,142 @@
+"""Lowering: where the pass pipeline runs, and what runs the rewritten graph.
+
+* ``inductor`` (default): ``compile_fx`` with the pipeline handed to Inductor as
+  a ``post_grad_custom_pre_pass`` ``CustomGraphPass`` (fact 12). Inductor keeps
+  its joint-graph passes and partitioner, and the ``uuid()`` (optpass's source,
+  the selected passes, the graph's roles) keeps the FX graph cache hitting.
+* ``eager``: AOTAutograd's aten graph, rewritten by the same pipeline, run as
+  is (debugging, fast tests).
+* ``dry`` (``optpass.explain``): trace to aten and run the pipeline, but run
+  nothing: the callable returns zeros shaped like the real outputs, so
+  explaining a step does not train the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from optpass import passes
+from optpass.capture import CapturedGraph
+from optpass.report import GraphReport, keeping_graphs
+from optpass.step import StepGraph
+
+
+def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: GraphReport) -> None:
+    """Run the pass pipeline over one aten graph of a captured Dynamo graph, in place."""
+    if _is_backward_graph(graph):
+        return  # the backward of a forward-only capture: nothing of the step is visible here
+    step = StepGraph.build(graph, captured)
+    keep = keeping_graphs()
+    report.aten_ops_before = passes.count_ops(graph)
+    if keep:
+        from optpass.memory import estimate_peak_memory
+
+        report.graph_before = _snapshot(graph)
+        report.memory_before = estimate_peak_memory(graph, tag=step.gradient_tag)
+    report.passes = passes.run_pipeline(step, options)
+    step.annotate_regions()
+    report.regions = step.region_sizes()
+    report.aten_ops_after = passes.count_ops(graph)
+    if keep:
+        report.graph_after = _snapshot(graph)
+        report.memory_after = estimate_peak_memory(graph, tag=StepGraph.build(graph, captured).gradient_tag)
+
+
+def _is_backward_graph(graph: torch.fx.Graph) -> bool:
+    descs = (type(n.meta.get("desc")).__name__ for n in graph.nodes if n.op == "placeholder")
+    return any("Tangent" in d or "Saved" in d for d in descs)
+
+
+def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    copy = torch.fx.Graph()
+    output = copy.graph_copy(graph, {})
+    copy.output(output)
+    return copy
+
+
+# ---------------------------------------------------------------- eager
+
+def lower_eager(gm, example_inputs, rewrite_fn: Callable[[torch.fx.Graph], None]):
+    def compile_rewritten(aten_gm: torch.fx.GraphModule, _inputs):
+        rewrite_fn(aten_gm.graph)
+        aten_gm.recompile()
+        return make_boxed_func(aten_gm.forward)
+
+    def compile_backward(aten_gm: torch.fx.GraphModule, _inputs):
+        return make_boxed_func(aten_gm.forward)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_rewritten,
+                                 bw_compiler=compile_backward, keep_inference_input_mutations=True)
+
+
+# ---------------------------------------------------------------- inductor
+
+_PACKAGE_DIR = os.path.dirname(__file__)
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> bytes:
+    files = [os.path.join(root, f) for root, _, names in os.walk(_PACKAGE_DIR)
+             for f in sorted(names) if f.endswith(".py")]
+    return get_hash_for_files(tuple(sorted(files)))
+
+
+class OptpassPostGradPass(CustomGraphPass):
+    """The optpass pipeline as an Inductor post-grad pass, with a cache-stable uuid."""
+
+    def __init__(self, rewrite_fn: Callable[[torch.fx.Graph], None], key: str, user_pass: Any = None):
+        self.rewrite_fn = rewrite_fn
+        self.key = key
+        self.user_pass = user_pass  # a post_grad_custom_pre_pass the user configured runs after ours
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.rewrite_fn(graph)
+        if self.user_pass is not None:
+            self.user_pass(graph)
+
+    def uuid(self) -> Any:
+        user = self.user_pass.uuid() if hasattr(self.user_pass, "uuid") else None
+        return (_source_hash().hex(), self.key, user)
+
+
+def lower_inductor(gm, example_inputs, rewrite_fn, key: str):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    graph_pass = OptpassPostGradPass(rewrite_fn, key, inductor_config.post_grad_custom_pre_pass)
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
+
+
+# ---------------------------------------------------------------- dry (explain)
+
+def lower_dry(gm, example_inputs, rewrite_fn):
+    """Trace to aten and rewrite, but return a callable that computes nothing."""
+    def record_only(aten_gm, _inputs):
+        rewrite_fn(aten_gm.graph)
+        return make_boxed_func(aten_gm.forward)
+
+    aot_module_simplified(gm, example_inputs, fw_compiler=record_only, bw_compiler=record_only,
+                          keep_inference_input_mutations=True)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
+                for a in output.args[0]]
+
+    def zeros(*_args):
+        return tuple(_zeros_like(e) for e in examples)
+
+    return zeros
+
+
+def _zeros_like(example: Any) -> Any:
+    if not isinstance(example, torch.Tensor):
+        return example
+    shape = [int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in example.shape]
+    return torch.zeros(shape, dtype=example.dtype, device=example.device).requires_grad_(
+        example.requires_grad)

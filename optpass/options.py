@@ -1,0 +1,121 @@
+"""The options a user passes as ``torch.compile(..., backend="optpass", options={...})``.
+
+Every key is declared once in ``OPTIONS`` with its type, default and a one-line
+description; that table is the single source for validation, for the error a
+typo gets, and for the README's options table (``options_table()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from optpass.errors import OptpassError
+
+LOWERINGS = ("inductor", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    types: tuple[type, ...]
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+
+
+def _optimizer_type() -> type:
+    import torch
+
+    return torch.optim.Optimizer
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("lower", (str,), "inductor",
+           "how the rewritten graph runs: 'inductor' (compile_fx) or 'eager' (the aten graph as is)",
+           choices=LOWERINGS),
+    Option("passes", (list, tuple, type(None)), None,
+           "names of the passes to run, in pipeline order (None: every pass that is on by default)"),
+    Option("disable_passes", (list, tuple), (),
+           "names of passes not to run"),
+    Option("optimizer", (type(None), "optimizer"), None,
+           "the torch.optim optimizer the step calls (needed by optimizer rewrites)"),
+    Option("warn_on_graph_break", (bool,), True,
+           "warn once, with the line and the fix, when backward() runs outside the compiled step"),
+)
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    lower: str = "inductor"
+    passes: tuple[str, ...] | None = None
+    disable_passes: tuple[str, ...] = ()
+    optimizer: Any = None
+    warn_on_graph_break: bool = True
+
+    @staticmethod
+    def from_user(user: dict[str, Any] | None) -> "Options":
+        """Validate a user's options dict; unknown keys and wrong types are errors."""
+        if user is None:
+            return Options()
+        if isinstance(user, Options):
+            return user
+        if not isinstance(user, dict):
+            raise OptpassError(f"options must be a dict, got {type(user).__name__}.\n{options_help()}")
+        values = {}
+        for key, value in user.items():
+            option = _BY_NAME.get(key)
+            if option is None:
+                raise OptpassError(f"unknown optpass option {key!r}.\n{options_help()}")
+            _check_type(option, value)
+            if isinstance(value, list):
+                value = tuple(value)
+            values[key] = value
+        options = Options(**values)
+        _check_pass_names(options)
+        return options
+
+    def digest(self) -> str:
+        """What about these options changes the rewritten graph (for Inductor's cache key)."""
+        return repr((self.passes, tuple(sorted(self.disable_passes))))
+
+
+def _check_type(option: Option, value: Any) -> None:
+    types = tuple(_optimizer_type() if t == "optimizer" else t for t in option.types)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise OptpassError(
+            f"optpass option {option.name!r} must be {expected}, got {type(value).__name__} {value!r}.\n"
+            f"{options_help()}")
+    if option.choices is not None and value not in option.choices:
+        raise OptpassError(
+            f"optpass option {option.name!r} must be one of {', '.join(map(repr, option.choices))}, "
+            f"got {value!r}.\n{options_help()}")
+    if option.name in ("passes", "disable_passes") and value is not None:
+        if not all(isinstance(v, str) for v in value):
+            raise OptpassError(f"optpass option {option.name!r} must list pass names (str), got {value!r}")
+
+
+def _check_pass_names(options: Options) -> None:
+    from optpass.passes import PASSES
+
+    known = [p.name for p in PASSES]
+    for name in (options.passes or ()) + tuple(options.disable_passes):
+        if name not in known:
+            raise OptpassError(f"unknown optpass pass {name!r}; the passes are: {', '.join(known)}")
+
+
+def options_help() -> str:
+    lines = ["Valid optpass options:"]
+    for o in OPTIONS:
+        lines.append(f"  {o.name:<20} {o.help} (default {o.default!r})")
+    return "\n".join(lines)
+
+
+def options_table() -> str:
+    """The options as a Markdown table (the README's table is generated from this)."""
+    rows = ["| option | default | what it does |", "|---|---|---|"]
+    rows += [f"| `{o.name}` | `{o.default!r}` | {o.help} |" for o in OPTIONS]
+    return "\n".join(rows)

@@ -1,0 +1,110 @@
+"""The optpass pass pipeline: named, ordered, selectable, disable-able.
+
+Each pass lives in its own file and states its precondition, rewrite, effect
+and what it refuses in the module docstring. The pipeline, in order:
+
+| pass                 | file                   | on by default | changes numerics |
+|----------------------|------------------------|---------------|------------------|
+| eliminate_dead_code  | eliminate_dead_code.py | yes           | no               |
+
+A pass is a function ``(step: StepGraph, options: Options) -> str | None`` that
+mutates ``step.graph`` in place and returns ``None`` when it did its work, or a
+one-line reason when it did not apply (recorded, logged, shown by
+``optpass.explain``). A pass that finds the program illegal raises
+``OptpassError`` naming the user's line; it never silently does less.
+
+``options={"passes": [...]}`` picks passes by name (still run in pipeline
+order), ``options={"disable_passes": [...]}`` drops passes by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+import torch.fx
+
+from optpass.capture import GraphKind
+from optpass.passes import eliminate_dead_code
+
+log = logging.getLogger("optpass")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    name: str
+    run: Callable  # (StepGraph, Options) -> str | None (reason it did not apply)
+    applies_to: tuple[GraphKind, ...]
+    on_by_default: bool = True
+    changes_numerics: bool = False
+
+
+PASSES: tuple[GraphPass, ...] = (
+    # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
+    GraphPass("eliminate_dead_code", eliminate_dead_code.run,
+              applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.OTHER)),
+)
+
+
+@dataclasses.dataclass
+class PassOutcome:
+    name: str
+    status: str                 # "applied" | "skipped" | "refused"
+    reason: str | None
+    ops_before: int
+    ops_after: int
+
+    @property
+    def op_delta(self) -> int:
+        return self.ops_after - self.ops_before
+
+    def __str__(self) -> str:
+        if self.status == "applied":
+            return f"{self.name}: applied, ops {self.ops_before} -> {self.ops_after} ({self.op_delta:+d})"
+        return f"{self.name}: {self.status} ({self.reason})"
+
+
+def selected_passes(options) -> list[GraphPass]:
+    if options.passes is not None:
+        chosen = [p for p in PASSES if p.name in options.passes]
+    else:
+        chosen = [p for p in PASSES if p.on_by_default]
+    return [p for p in chosen if p.name not in options.disable_passes]
+
+
+def count_ops(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+
+
+def run_pipeline(step, options) -> list[PassOutcome]:
+    """Run the selected passes over one StepGraph, in order; log and trace each."""
+    outcomes = []
+    for graph_pass in selected_passes(options):
+        if step.kind not in graph_pass.applies_to:
+            outcomes.append(PassOutcome(graph_pass.name, "skipped",
+                                        f"does not apply to a {step.kind.value} graph", 0, 0))
+            continue
+        before = count_ops(step.graph)
+        _trace_graph(f"optpass_before_{graph_pass.name}", step.graph)
+        reason = graph_pass.run(step, options)
+        after = count_ops(step.graph)
+        status = "applied" if reason is None else "skipped"
+        outcome = PassOutcome(graph_pass.name, status, reason, before, after)
+        _trace_graph(f"optpass_after_{graph_pass.name}", step.graph)
+        log.info("optpass %s graph %s: %s", step.kind.value, step.captured.compile_id, outcome)
+        outcomes.append(outcome)
+    step.graph.lint()
+    return outcomes
+
+
+def _trace_graph(name: str, graph: torch.fx.Graph) -> None:
+    """With TORCH_TRACE set, write the graph as a trace_structured artifact (tlparse shows it)."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: graph.python_code("self").src,
+    )

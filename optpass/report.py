@@ -1,0 +1,105 @@
+"""What optpass captured and did, graph by graph: the data behind ``optpass.explain``.
+
+Every backend call appends a ``GraphReport`` to a short process-wide log
+(``recent_reports()``). Tests and ``explain`` read it; it holds names, counts
+and estimates, plus graph copies only while ``keep_graphs`` is on (explain),
+so normal compiles pay nothing for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import torch.fx
+
+from optpass.capture import CapturedGraph, GraphKind
+
+_LOG: collections.deque["GraphReport"] = collections.deque(maxlen=64)
+_KEEP_GRAPHS = [False]
+
+
+@dataclasses.dataclass
+class GraphReport:
+    captured: CapturedGraph
+    lowering: str
+    passes: list[Any] = dataclasses.field(default_factory=list)      # PassOutcome
+    regions: dict[str, int] = dataclasses.field(default_factory=dict)
+    memory_before: Any = None                                        # MemoryEstimate
+    memory_after: Any = None
+    aten_ops_before: int | None = None
+    aten_ops_after: int | None = None
+    graph_before: torch.fx.GraphModule | None = None
+    graph_after: torch.fx.GraphModule | None = None
+    error: str | None = None
+
+    @property
+    def kind(self) -> GraphKind:
+        return self.captured.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.captured
+        return {
+            "kind": c.kind.value,
+            "compile_id": c.compile_id,
+            "lowering": self.lowering,
+            "split_reason": c.split_reason,
+            "split_line": str(c.split_line) if c.split_line else None,
+            "backward_line": str(c.backward_line) if c.backward_line else None,
+            "dynamo_ops": sum(1 for n in c.gm.graph.nodes if n.op.startswith("call")),
+            "aten_ops_before": self.aten_ops_before,
+            "aten_ops_after": self.aten_ops_after,
+            "regions": dict(self.regions),
+            "parameters": [p.name for p in c.params],
+            "parameter_bytes": sum(p.nbytes for p in c.params),
+            "gradients": sorted(c.gradient_outputs) if c.kind is GraphKind.STEP else sorted(c.gradient_inputs),
+            "accumulating_gradients": sorted(c.accumulating),
+            "optimizer_state_tensors": len(c.state_attrs),
+            "hyperparameter_inputs": sorted(c.hyperparameter_inputs.values()),
+            "passes": [dataclasses.asdict(p) for p in self.passes],
+            "memory_before": _memory_dict(self.memory_before),
+            "memory_after": _memory_dict(self.memory_after),
+            "error": self.error,
+        }
+
+
+def _memory_dict(estimate) -> dict[str, Any] | None:
+    if estimate is None:
+        return None
+    return {
+        "peak_bytes": estimate.peak_bytes,
+        "peak_node": estimate.peak_node,
+        "largest_at_peak": [list(t) for t in estimate.largest(5)],
+        "bytes_by_tag_at_peak": dict(estimate.bytes_by_tag_at_peak),
+    }
+
+
+def record(report: GraphReport) -> GraphReport:
+    _LOG.append(report)
+    return report
+
+
+def recent_reports() -> list[GraphReport]:
+    """The reports of the most recent compiles, oldest first."""
+    return list(_LOG)
+
+
+def clear_reports() -> None:
+    _LOG.clear()
+
+
+def keeping_graphs() -> bool:
+    return _KEEP_GRAPHS[0]
+
+
+@contextlib.contextmanager
+def keep_graphs() -> Iterator[None]:
+    """Keep copies of each graph before and after the passes (for explain and tests)."""
+    old = _KEEP_GRAPHS[0]
+    _KEEP_GRAPHS[0] = True
+    try:
+        yield
+    finally:
+        _KEEP_GRAPHS[0] = old

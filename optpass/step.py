@@ -1,0 +1,135 @@
+"""StepGraph: an aten graph of a training step with the role of each value.
+
+Passes run on the aten graph that AOTAutograd produces (the ``lower="eager"``
+path) or on Inductor's post-grad graph (the default path). Neither carries
+names: placeholders and outputs only carry AOTAutograd descriptors
+(``PlainAOTInput(idx)``, ``ParamAOTInput(target)``, ``PlainAOTOutput(idx)``)
+that point back at the Dynamo graph. ``StepGraph`` joins those descriptors with
+the roles ``capture`` found at the Dynamo level (fact 20: the mapping must come
+from there, not from shapes):
+
+* ``param_nodes[name]``     the placeholder holding parameter ``name``
+* ``gradient_nodes[name]``  the value in the output slot that becomes ``name``'s ``.grad``
+* ``gradient_inputs[name]`` (update graphs) the placeholder holding ``name``'s ``.grad``
+* ``state_nodes``           (update graphs) optimizer-state placeholders
+* ``region_of(node)``       forward / backward / gradient_transform / update
+
+Regions are dataflow facts: AOTAutograd marks every node the traced
+``autograd.grad`` produced with ``meta["autograd_backward"]``; an unmarked node
+that depends on a backward node transforms gradients; everything else before is
+forward. Nodes a pass inserts to update parameters tag themselves ``update``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+import torch.fx
+
+from optpass.capture import CapturedGraph, GraphKind
+
+FORWARD, BACKWARD, GRADIENT_TRANSFORM, UPDATE, INPUT, OUTPUT = (
+    "forward", "backward", "gradient_transform", "update", "input", "output")
+REGION_KEY = "optpass_region"
+
+
+@dataclasses.dataclass
+class StepGraph:
+    graph: torch.fx.Graph
+    captured: CapturedGraph
+    param_nodes: dict[str, torch.fx.Node]
+    gradient_nodes: dict[str, torch.fx.Node]
+    gradient_slots: dict[str, int]                 # position in the output tuple
+    gradient_inputs: dict[str, torch.fx.Node]
+    state_nodes: list[torch.fx.Node]
+
+    @property
+    def kind(self) -> GraphKind:
+        return self.captured.kind
+
+    @property
+    def output_node(self) -> torch.fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    @staticmethod
+    def build(graph: torch.fx.Graph, captured: CapturedGraph) -> "StepGraph":
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        by_input_index, by_attr = {}, {}
+        for node in placeholders:
+            desc = node.meta.get("desc")
+            if hasattr(desc, "idx"):
+                by_input_index[desc.idx] = node
+            elif hasattr(desc, "target"):
+                by_attr[desc.target] = node
+        param_nodes = {}
+        for p in captured.params:
+            node = by_input_index.get(p.input_index) if p.input_index is not None else by_attr.get(p.attr)
+            if node is not None:
+                param_nodes[p.name] = node
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        slot_of_dynamo_output = _output_slots(output)
+        gradient_nodes, gradient_slots = {}, {}
+        for name, dynamo_index in captured.gradient_outputs.items():
+            slot = slot_of_dynamo_output.get(dynamo_index)
+            if slot is not None and isinstance(output.args[0][slot], torch.fx.Node):
+                gradient_nodes[name] = output.args[0][slot]
+                gradient_slots[name] = slot
+        gradient_inputs = {name: by_input_index[i] for name, i in captured.gradient_inputs.items()
+                           if i in by_input_index}
+        state_nodes = [by_attr[a] for a in captured.state_attrs if a in by_attr]
+        step = StepGraph(graph, captured, param_nodes, gradient_nodes, gradient_slots,
+                         gradient_inputs, state_nodes)
+        step.annotate_regions()
+        return step
+
+    # ------------------------------------------------------------ regions
+
+    def annotate_regions(self) -> None:
+        after_backward: set[torch.fx.Node] = set()
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                region = INPUT
+            elif node.op == "output":
+                region = OUTPUT
+            elif node.meta.get(REGION_KEY) == UPDATE or self.kind is GraphKind.UPDATE:
+                region = UPDATE
+            elif node.meta.get("autograd_backward"):
+                region = BACKWARD
+            elif any(a in after_backward for a in node.all_input_nodes):
+                region = GRADIENT_TRANSFORM
+            else:
+                region = FORWARD
+            if region in (BACKWARD, GRADIENT_TRANSFORM):
+                after_backward.add(node)
+            node.meta[REGION_KEY] = region
+
+    def region_of(self, node: torch.fx.Node) -> str:
+        return node.meta.get(REGION_KEY, FORWARD)
+
+    def region_sizes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for node in self.graph.nodes:
+            if node.op not in ("placeholder", "output"):
+                sizes[self.region_of(node)] = sizes.get(self.region_of(node), 0) + 1
+        return sizes
+
+    def nodes_in(self, region: str) -> Iterable[torch.fx.Node]:
+        return (n for n in self.graph.nodes if self.region_of(n) == region)
+
+    def gradient_tag(self, node: torch.fx.Node) -> str | None:
+        """Memory-estimate tag: which allocations are gradients that become p.grad."""
+        return "gradient" if node in self._gradient_set else None
+
+    @property
+    def _gradient_set(self) -> set[torch.fx.Node]:
+        return set(self.gradient_nodes.values())
+
+
+def _output_slots(output: torch.fx.Node) -> dict[int, int]:
+    """Dynamo output index -> position in this graph's output tuple (via AOT descriptors)."""
+    descs = output.meta.get("desc")
+    if not descs:
+        return {}
+    return {d.idx: slot for slot, d in enumerate(descs) if type(d).__name__ == "PlainAOTOutput"}

@@ -1,0 +1,18 @@
+import os
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo caches per code object: every test starts from a clean cache (DESIGN.md, test traps)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
