@@ -102,6 +102,8 @@ class OptpassPostGradPass(CustomGraphPass):
             self.user_pass(graph)
 
     def uuid(self) -> Any:
+        if keeping_graphs():
+            return None  # a cache hit would skip the passes, and the graphs to keep with them
         user = self.user_pass.uuid() if hasattr(self.user_pass, "uuid") else None
         return (_source_hash().hex(), self.key, user)
 

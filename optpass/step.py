@@ -95,7 +95,7 @@ class StepGraph:
                 region = OUTPUT
             elif node.meta.get(REGION_KEY) == UPDATE or self.kind is GraphKind.UPDATE:
                 region = UPDATE
-            elif node.meta.get("autograd_backward"):
+            elif node.meta.get("autograd_backward") or _materializes_gradient(node):
                 region = BACKWARD
             elif any(a in after_backward for a in node.all_input_nodes):
                 region = GRADIENT_TRANSFORM
@@ -125,6 +125,16 @@ class StepGraph:
     @property
     def _gradient_set(self) -> set[torch.fx.Node]:
         return set(self.gradient_nodes.values())
+
+
+def _materializes_gradient(node: torch.fx.Node) -> bool:
+    """Dynamo's `empty_like(p).copy_(g)` that turns a traced gradient into `p.grad` (fact 1)."""
+    aten = torch.ops.aten
+    if node.target is aten.empty_like.default:
+        return bool(node.users) and all(u.target is aten.copy.default and u.args[0] is node
+                                        for u in node.users)
+    return (node.target is aten.copy.default and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].target is aten.empty_like.default)
 
 
 def _output_slots(output: torch.fx.Node) -> dict[int, int]:

@@ -1,0 +1,383 @@
+"""Peak memory of an FX graph, estimated from the liveness of its buffers.
+
+The graph is run in order on paper. Each node either allocates new buffers or
+refers to buffers that already exist; a buffer is freed right after the last
+node that uses it, directly or through any alias. The estimate is what the
+graph's own code would hold if every buffer were freed at that point, which is
+what FX's generated code (``x = None`` after last use) and Inductor aim for.
+
+What counts:
+
+* **Sizes** come from ``node.meta['val']`` (FakeTensor or Tensor, or a
+  list/tuple of them for multi-output ops such as ``_foreach_norm`` or
+  ``var_mean``), else ``node.meta['example_value']`` (Dynamo graphs). A tensor
+  weighs its untyped storage's ``nbytes()``, falling back to
+  ``numel * element_size``. Symbolic sizes use their hint, without adding
+  guards; a size with no hint weighs 0. Nodes without either meta entry
+  allocate nothing.
+* **Views allocate nothing.** For an OpOverload the schema decides: a return
+  with alias info aliases the argument in the same alias set, whether it is a
+  view (``aten.view``, ``t``, ``expand``, ``reshape``...) or an in-place/out
+  write (``add_``, ``copy_``, ``add.out``); ``_unsafe_view`` has no alias info
+  and so is a new buffer. Ops that return nothing (``_foreach_mul_``)
+  allocate nothing. A view keeps its base alive until the view's last use.
+* **getitem** picks the element's buffers out of a multi-output node; all of
+  them live until the last getitem, as the tuple does in generated code.
+  getitem on a tensor is basic indexing (a view), unless the index holds a
+  tensor (advanced indexing: a copy).
+* **Other targets** (Dynamo's torch functions, ``call_method``,
+  ``call_module``) allocate new buffers, except obvious views (``view``, ``t``,
+  ``permute``, ``transpose``, ``expand``, ``detach``, ``__getitem__``...) and
+  in-place calls named with a trailing underscore (``add_``,
+  ``torch._foreach_mul_``), which alias their first argument.
+* **Inputs**: placeholders and ``get_attr`` tensors (module state) exist before
+  the graph starts and live to its end, since the caller holds them; with
+  ``count_inputs=False`` they, and anything aliasing them, weigh nothing.
+  Graph outputs live to the end.
+
+``timeline[i]`` is what is live right after node ``i`` runs, before its dead
+inputs are freed: the node's inputs and its new outputs both count, and a
+buffer nobody uses counts at its own node only. The peak is the timeline's
+maximum (the first node reaching it). Cost is linear in nodes plus buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _optimization_hint
+except ImportError:  # older torch: fall back on the SymNode's own hint
+    _optimization_hint = None
+
+_UNTAGGED = "other"
+_MIB = 1 << 20
+
+# Tensor methods and torch functions that return a view of their first argument.
+_VIEW_NAMES = frozenset({
+    "view", "view_as", "t", "permute", "transpose", "swapaxes", "movedim",
+    "expand", "expand_as", "detach", "unsqueeze", "squeeze", "narrow",
+    "select", "as_strided", "unflatten", "unfold", "diagonal", "split", "chunk",
+    "unbind", "real", "imag", "view_as_real", "view_as_complex", "__getitem__",
+})
+
+# `x += y` on tensors, as Dynamo records it.
+_IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+})
+
+Tagger = Callable[[torch.fx.Node], "str | None"]
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    peak_bytes: int
+    peak_node: str
+    live_at_peak: list[tuple[str, int, str | None]]  # (allocating node, bytes, tag), largest first
+    timeline: list[tuple[str, int]]                   # (node, live bytes right after it), every node
+    bytes_by_tag_at_peak: dict[str, int]
+
+    def largest(self, k: int = 5) -> list[tuple[str, int, str | None]]:
+        return self.live_at_peak[:k]
+
+    def __str__(self) -> str:
+        lines = [
+            f"peak {self.peak_bytes / _MIB:.2f} MiB ({self.peak_bytes} bytes)"
+            f" after {self.peak_node or '(empty graph)'}, {len(self.live_at_peak)} tensors live"
+        ]
+        for name, nbytes, tag in self.largest(5):
+            tag_text = f"  [{tag}]" if tag else ""
+            lines.append(f"  {_readable_bytes(nbytes):>10}  {name}{tag_text}")
+        return "\n".join(lines)
+
+
+def _readable_bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def estimate_peak_memory(
+    graph_or_gm: torch.fx.Graph | torch.fx.GraphModule,
+    *,
+    count_inputs: bool = True,
+    tag: Tagger | None = None,
+) -> MemoryEstimate:
+    """Liveness-based peak of the bytes the graph holds; see the module docstring."""
+    graph = graph_or_gm.graph if isinstance(graph_or_gm, torch.fx.GraphModule) else graph_or_gm
+    nodes = list(graph.nodes)
+    if not nodes:
+        return MemoryEstimate(0, "", [], [], {})
+
+    buffers = _Buffers(tag)
+    values: dict[torch.fx.Node, _Value] = {}
+    for index, node in enumerate(nodes):
+        values[node] = _value_of(node, index, values, buffers, count_inputs)
+
+    end = len(nodes) - 1
+    for buffer in buffers.all:
+        if buffer.is_input:
+            buffer.freed_after = end
+    # A node's value keeps every buffer it refers to alive until the node's last
+    # user; going by node first keeps this linear for wide multi-output nodes.
+    position = {node: index for index, node in enumerate(nodes)}
+    for node, value in values.items():
+        if not node.users:
+            continue
+        last_user = max(position[user] for user in node.users)
+        for buffer_id in value.refs:
+            buffer = buffers.all[buffer_id]
+            buffer.freed_after = max(buffer.freed_after, last_user)
+
+    change = [0] * (len(nodes) + 1)
+    for buffer in buffers.all:
+        change[buffer.allocated_at] += buffer.nbytes
+        change[buffer.freed_after + 1] -= buffer.nbytes
+    timeline = []
+    live = 0
+    for index, node in enumerate(nodes):
+        live += change[index]
+        timeline.append((node.name, live))
+
+    peak_index = max(range(len(nodes)), key=lambda i: (timeline[i][1], -i))
+    # Ties keep allocation order, so the listing is stable.
+    live_buffers = sorted(
+        (b for b in buffers.all if b.allocated_at <= peak_index <= b.freed_after and b.nbytes > 0),
+        key=lambda b: -b.nbytes,
+    )
+    by_tag: dict[str, int] = {}
+    for buffer in live_buffers:
+        key = buffer.tag if buffer.tag is not None else _UNTAGGED
+        by_tag[key] = by_tag.get(key, 0) + buffer.nbytes
+    return MemoryEstimate(
+        peak_bytes=timeline[peak_index][1],
+        peak_node=nodes[peak_index].name,
+        live_at_peak=[(b.name, b.nbytes, b.tag) for b in live_buffers],
+        timeline=timeline,
+        bytes_by_tag_at_peak=by_tag,
+    )
+
+
+# --- buffers and the values that refer to them -------------------------------
+
+
+@dataclasses.dataclass
+class _Buffer:
+    name: str
+    nbytes: int
+    tag: str | None
+    allocated_at: int
+    freed_after: int
+    is_input: bool
+
+
+@dataclasses.dataclass
+class _Value:
+    """The buffers a node's result keeps alive, and per element for tuple/list results."""
+
+    refs: list[int]
+    parts: list["_Value"] | None = None
+
+
+_NOTHING = _Value([])
+
+
+class _Buffers:
+    def __init__(self, tag: Tagger | None):
+        self.all: list[_Buffer] = []
+        self._tag = tag
+        self._tags: dict[torch.fx.Node, str | None] = {}
+
+    def allocate(
+        self, node: torch.fx.Node, index: int, example: Any, *, is_input: bool = False, name: str | None = None
+    ) -> _Value:
+        """A value with a new buffer for every tensor in `example`, named after `node`."""
+        name = name or node.name
+        if isinstance(example, torch.Tensor):
+            # Inputs exist before the graph starts: the caller holds them.
+            allocated_at = 0 if is_input else index
+            nbytes = _tensor_bytes(example)
+            self.all.append(_Buffer(name, nbytes, self._tag_of(node), allocated_at, allocated_at, is_input))
+            return _Value([len(self.all) - 1])
+        if isinstance(example, (list, tuple)):
+            return _combined([
+                self.allocate(node, index, e, is_input=is_input, name=f"{name}[{i}]") for i, e in enumerate(example)
+            ])
+        return _NOTHING
+
+    def _tag_of(self, node: torch.fx.Node) -> str | None:
+        if self._tag is None:
+            return None
+        if node not in self._tags:
+            self._tags[node] = self._tag(node)
+        return self._tags[node]
+
+
+def _combined(parts: list[_Value]) -> _Value:
+    return _Value([ref for part in parts for ref in part.refs], parts)
+
+
+def _example(node: torch.fx.Node) -> Any:
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
+
+
+# --- what each node's result is ----------------------------------------------
+
+
+def _value_of(node, index, values, buffers: _Buffers, count_inputs: bool) -> _Value:
+    if node.op in ("placeholder", "get_attr"):
+        if not count_inputs:
+            return _NOTHING
+        return buffers.allocate(node, index, _example(node), is_input=True)
+    if node.op == "output":
+        return _NOTHING
+
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return _op_overload_value(node, index, values, buffers)
+    if node.op == "call_function" and target is operator.getitem:
+        return _getitem_value(node, index, values, buffers)
+
+    name = target if node.op == "call_method" else getattr(target, "__name__", None)
+    if node.op == "call_module" or not isinstance(name, str) or not node.args:
+        return buffers.allocate(node, index, _example(node))
+    is_torch_function = (
+        node.op == "call_method" or getattr(torch, name, None) is target or getattr(torch.Tensor, name, None) is target
+    )
+    if name in _VIEW_NAMES and is_torch_function:
+        return _alias_of(node.args[0], _example(node), values)
+    if _is_in_place(name, target):
+        return _alias_of(node.args[0], _example(node), values)
+    return buffers.allocate(node, index, _example(node))
+
+
+def _is_in_place(name: str, target: Any) -> bool:
+    if any(target is op for op in _IN_PLACE_OPERATORS):
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _op_overload_value(node, index, values, buffers: _Buffers) -> _Value:
+    schema = node.target._schema
+    returns = schema.returns
+    if not returns:
+        return _NOTHING
+    if all(r.alias_info is None for r in returns):
+        return buffers.allocate(node, index, _example(node))
+
+    example = _example(node)
+    if len(returns) == 1:
+        return _return_value(node, returns[0], example, index, values, buffers)
+    examples = example if isinstance(example, (list, tuple)) else [None] * len(returns)
+    parts = [
+        _return_value(node, r, e, index, values, buffers, name=f"{node.name}[{i}]")
+        for i, (r, e) in enumerate(zip(returns, examples))
+    ]
+    return _combined(parts)
+
+
+def _return_value(node, returned, example, index, values, buffers: _Buffers, name=None) -> _Value:
+    if returned.alias_info is None:
+        return buffers.allocate(node, index, example, name=name)
+    aliased = _aliased_argument(node, returned.alias_info)
+    return _alias_of(aliased, example, values)
+
+
+def _aliased_argument(node: torch.fx.Node, alias_info) -> Any:
+    """The argument a schema return aliases: the one sharing its alias set."""
+    schema = node.target._schema
+    annotated = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None:
+            continue
+        if argument.kwarg_only or position >= len(node.args):
+            value = node.kwargs.get(argument.name)
+        else:
+            value = node.args[position]
+        if alias_info.before_set & argument.alias_info.before_set:
+            return value
+        annotated.append(value)
+    # List returns (`Tensor(a)[]`) carry their alias set on the element type,
+    # which Python does not expose; fall back on the annotated arguments.
+    return annotated[0] if annotated else (node.args[0] if node.args else None)
+
+
+def _getitem_value(node, index, values, buffers: _Buffers) -> _Value:
+    parent, key = node.args[0], node.args[1]
+    if not isinstance(parent, torch.fx.Node):
+        return buffers.allocate(node, index, _example(node))
+    parent_value = values[parent]
+    if parent_value.parts is not None and isinstance(key, int):
+        try:
+            return parent_value.parts[key]
+        except IndexError:
+            return _NOTHING
+    if _holds_tensor(key):
+        return buffers.allocate(node, index, _example(node))
+    return _alias_of(parent, _example(node), values)
+
+
+def _holds_tensor(key: Any) -> bool:
+    if isinstance(key, torch.fx.Node):
+        return isinstance(_example(key), torch.Tensor)
+    if isinstance(key, (list, tuple)):
+        return any(_holds_tensor(k) for k in key)
+    return isinstance(key, torch.Tensor)
+
+
+def _alias_of(argument: Any, example: Any, values) -> _Value:
+    """A value sharing `argument`'s buffers; list results alias it element by element."""
+    if isinstance(argument, torch.fx.Node):
+        base = values.get(argument, _NOTHING)
+    elif isinstance(argument, (list, tuple)):
+        base = _combined([_alias_of(a, None, values) for a in argument])
+    else:
+        return _NOTHING
+    if base.parts is None and isinstance(example, (list, tuple)):
+        # e.g. split: each piece is a view of the whole base.
+        return _Value(base.refs, [_Value(base.refs) for _ in example])
+    return base
+
+
+# --- sizes -------------------------------------------------------------------
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return _hint(tensor.untyped_storage().nbytes())
+    except Exception:
+        pass
+    numel = 1
+    for size in tensor.shape:
+        numel *= _hint(size)
+    return numel * tensor.element_size()
+
+
+def _hint(size: Any) -> int:
+    """A concrete int for a possibly symbolic size, without adding guards."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        # int(size) would install a guard, specializing the caller's graph.
+        try:
+            if _optimization_hint is not None:
+                return int(_optimization_hint(size, fallback=0))
+            constant = size.node.maybe_as_int()
+            if constant is not None:
+                return constant
+            return int(size.node.hint) if size.node.hint is not None else 0
+        except Exception:
+            return 0
+    try:
+        return int(size)
+    except Exception:
+        return 0

@@ -1,0 +1,238 @@
+"""The backend: lookup by name, capture, roles, pass pipeline, options, lowering, cache."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optpass
+from optpass.capture import GraphKind, module_path
+from optpass.models import MLP, TinyLM
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 600) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+SUPPORTED_STEP = """
+import torch, torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def train_step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    out = loss.detach()
+    opt.step()
+    opt.zero_grad()
+    return out
+
+x, y = torch.randn(4, 8), torch.randn(4, 2)
+"""
+
+
+def test_backend_by_name_in_a_fresh_interpreter_without_importing_optpass():
+    out = run_python(SUPPORTED_STEP + """
+import sys
+step = torch.compile(train_step, backend="optpass", options={"lower": "eager"})
+losses = [step(x, y).item() for _ in range(3)]
+from torch._dynamo.utils import counters
+assert losses[2] < losses[0], losses
+assert all("backward" not in r for r in counters["graph_break"]), dict(counters["graph_break"])
+print("optpass" in sys.modules, torch._dynamo.config.trace_autograd_ops)
+""")
+    assert out.split() == ["True", "True"]
+
+
+def make_step(model, opt, tail_returns_loss=False):
+    if tail_returns_loss:  # the tutorial shape: reads loss after opt.step() (fact 19)
+        def train_step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+    else:
+        def train_step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+    return train_step
+
+
+def mlp_and_opt(lr=0.1):
+    model = MLP()
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def data():
+    return torch.randn(8, 16), torch.randn(8, 4)
+
+
+def test_step_graph_holds_forward_backward_and_names_every_gradient():
+    model, opt = mlp_and_opt()
+    step = torch.compile(make_step(model, opt), backend="optpass", options={"lower": "eager"})
+    optpass.report.clear_reports()
+    step(*data())
+    reports = optpass.recent_reports()
+    kinds = [r.kind for r in reports]
+    assert kinds[:2] == [GraphKind.STEP, GraphKind.UPDATE]
+    step_graph, update_graph = reports[0], reports[1]
+    names = [n for n, _ in model.named_parameters()]
+    assert [p.name for p in step_graph.captured.params] == names
+    assert sorted(step_graph.captured.gradient_outputs) == sorted(names)
+    # fact 3: the update graph's gradient placeholders are the step graph's gradient outputs
+    assert sorted(update_graph.captured.gradient_inputs) == sorted(names)
+    assert set(step_graph.regions) == {"forward", "backward"}
+    assert update_graph.regions == {"update": update_graph.aten_ops_after}
+
+
+def test_parameter_names_are_module_paths():
+    assert module_path("G['model']._modules['0']._parameters['weight']") == "0.weight"
+    assert module_path("L['self']._modules['layers']._modules['0']._modules['attn']._modules['wq']"
+                       "._parameters['weight']") == "layers.0.attn.wq.weight"
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+
+    def train_step(tokens, targets):
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    tokens = torch.randint(0, model.cfg.vocab, (2, model.cfg.seq_len + 1))
+    report = optpass.explain(train_step, tokens[:, :-1], tokens[:, 1:])
+    step_report = report.of_kind(GraphKind.STEP)[0]
+    names = {p.name for p in step_report.captured.params}
+    assert "layers.0.attn.wq.weight" in names and "embed.weight" in names
+    assert "head.weight" not in names  # tied to embed.weight: one parameter, one gradient
+    assert names == {n for n, _ in model.named_parameters()}
+    update = report.of_kind(GraphKind.UPDATE)[0].to_dict()
+    assert update["optimizer_state_tensors"] >= 3 * len(names) - 1  # step, exp_avg, exp_avg_sq
+    assert any("['lr']" in h for h in update["hyperparameter_inputs"])  # tensor lr is an input
+
+
+def test_tutorial_shape_warns_once_with_the_line_and_the_fix():
+    model, opt = mlp_and_opt()
+    step = torch.compile(make_step(model, opt, tail_returns_loss=True), backend="optpass",
+                         options={"lower": "eager"})
+    with pytest.warns(optpass.BackwardOutsideGraphWarning) as record:
+        for _ in range(3):
+            step(*data())
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "test_backend.py" in message and "loss.backward()" in message
+    assert "out = loss.detach(); opt.step(); opt.zero_grad(); return out" in message
+    assert "autograd.grad consumed returned tensor's grad_fn" in message
+
+
+def test_post_accumulate_grad_hooks_are_refused():
+    model, opt = mlp_and_opt()
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    step = torch.compile(make_step(model, opt), backend="optpass", options={"lower": "eager"})
+    with pytest.raises(Exception, match=r"0\.weight have post-accumulate-grad hooks") as info:
+        step(*data())
+    assert isinstance(info.value, optpass.OptpassError) or "OptpassError" in repr(info.value)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"lowr": "eager"}, r"unknown optpass option 'lowr'"),
+    ({"lower": "tvm"}, r"'lower' must be one of 'inductor', 'eager'"),
+    ({"lower": 3}, r"'lower' must be str, got int"),
+    ({"disable_passes": ["no_such_pass"]}, r"unknown optpass pass 'no_such_pass'"),
+    ({"warn_on_graph_break": "yes"}, r"must be bool"),
+])
+def test_bad_options_are_errors_that_list_the_valid_options(options, match):
+    model, opt = mlp_and_opt()
+    step = torch.compile(make_step(model, opt), backend="optpass", options=options)
+    with pytest.raises(Exception, match=match) as info:
+        step(*data())
+    if "pass" not in match:
+        assert "Valid optpass options:" in str(info.value) and "lower" in str(info.value)
+
+
+def test_passes_are_selectable_disableable_and_logged(caplog):
+    model, opt = mlp_and_opt()
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"lower": "eager", "disable_passes": ["eliminate_dead_code"]})
+    optpass.report.clear_reports()
+    step(*data())
+    assert all(r.passes == [] for r in optpass.recent_reports())
+
+    torch._dynamo.reset()
+    optpass.report.clear_reports()
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"lower": "inductor", "passes": ["eliminate_dead_code"]})
+    with caplog.at_level(logging.INFO, logger="optpass"):
+        step(*data())
+    outcomes = [p for r in optpass.recent_reports() for p in r.passes]
+    assert [p.name for p in outcomes] == ["eliminate_dead_code"] * len(outcomes)
+    applied = [p for p in outcomes if p.status == "applied"]
+    assert applied and all(p.op_delta < 0 for p in applied)
+    assert any("eliminate_dead_code: applied, ops" in m for m in caplog.messages)
+
+
+def test_torch_trace_gets_before_and_after_graphs(tmp_path):
+    run_python(SUPPORTED_STEP + """
+step = torch.compile(train_step, backend="optpass", options={"lower": "eager"})
+step(x, y)
+""", env={"TORCH_TRACE": str(tmp_path)})
+    logs = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert "optpass_before_eliminate_dead_code" in logs
+    assert "optpass_after_eliminate_dead_code" in logs
+
+
+def test_inductor_fx_graph_cache_hits_on_a_second_compile(tmp_path):
+    out = run_python(SUPPORTED_STEP + """
+from torch._dynamo.utils import counters
+for attempt in range(2):
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(train_step, backend="optpass")
+    step(x, y)
+    step(x, y)
+    print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+""", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    first, second = [tuple(map(int, line.split())) for line in out.strip().splitlines()]
+    assert first[0] == 0 and first[1] >= 2       # cold: step graph and update graphs compiled
+    assert second[0] >= 2 and second[1] == 0     # warm: every graph came from the cache
+
+
+def test_explain_reports_without_training():
+    model, opt = mlp_and_opt()
+    before = [p.detach().clone() for p in model.parameters()]
+    report = optpass.explain(make_step(model, opt), *data(), options={"lower": "eager"})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    d = report.to_dict()
+    step_graph = d["graphs"][0]
+    assert step_graph["kind"] == "step" and step_graph["backward_line"].endswith("loss.backward()")
+    assert step_graph["memory_before"]["peak_bytes"] > 0
+    assert step_graph["memory_before"]["bytes_by_tag_at_peak"].get("gradient", 0) > 0
+    assert [p["name"] for p in step_graph["passes"]] == ["eliminate_dead_code"]
+    text = str(report)
+    assert "forward + backward + gradient transforms" in text
+    assert "estimated peak memory" in text and "optimizer update" in text
+    assert d["warnings"] == []
+
+
+def test_explain_shows_why_the_tutorial_shape_splits():
+    model, opt = mlp_and_opt()
+    report = optpass.explain(make_step(model, opt, tail_returns_loss=True), *data())
+    assert report.graphs[0].kind is GraphKind.FORWARD
+    assert "autograd.grad consumed returned tensor's grad_fn" in report.to_dict()["graphs"][0]["split_reason"]
+    assert len(report.warnings) == 1 and "WARNING" in str(report)
