@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 import warnings
 from typing import Any
@@ -144,7 +145,7 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
 
     common = dict(
         gm=gm, compile_id=compile_id,
-        split_reason=split.reason.strip().splitlines()[0] if split else None,
+        split_reason=_split_reason(split) if split else None,
         split_line=user_line_from_frames(split.user_stack) if split else None,
     )
     if grad_calls:
@@ -157,6 +158,13 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
     kind = GraphKind.FORWARD if params and outputs_need_grad else GraphKind.OTHER
     backward_line = common["split_line"] if kind is GraphKind.FORWARD else None
     return CapturedGraph(kind=kind, backward_line=backward_line, params=params, **common)
+
+
+def _split_reason(split) -> str:
+    optim_dir = f"torch{os.sep}optim{os.sep}"
+    if optim_dir in split.reason or any(optim_dir in frame.filename for frame in split.user_stack):
+        return "optimizer.step() (torch.optim always compiles as a graph of its own)"
+    return split.reason.strip().splitlines()[0]
 
 
 def _is_grad_source(name: str | None) -> bool:

@@ -16,7 +16,10 @@ import traceback
 import torch
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OPTPASS_DIR = os.path.dirname(__file__)
+# optpass's own runnable examples are user code: their lines are what a reader should see.
+_OPTPASS_USER_FILES = {os.path.join(_OPTPASS_DIR, "demo.py")}
 
 
 class OptpassError(RuntimeError):
@@ -36,7 +39,9 @@ class SourceLine:
 
 def _is_user_file(path: str) -> bool:
     path = os.path.abspath(path)
-    return not any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS) and "<frozen" not in path
+    if path in _OPTPASS_USER_FILES:
+        return True
+    return not any(path.startswith(d + os.sep) for d in (_TORCH_DIR, _OPTPASS_DIR)) and "<frozen" not in path
 
 
 def user_line_from_frames(frames: list[traceback.FrameSummary]) -> SourceLine | None:

@@ -85,6 +85,7 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.embed.weight  # tied output head
+        torch.nn.init.normal_(self.embed.weight, std=0.02)  # small, as the tied head's logits
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]

@@ -38,8 +38,6 @@ OPTIONS: tuple[Option, ...] = (
            "names of the passes to run, in pipeline order (None: every pass that is on by default)"),
     Option("disable_passes", (list, tuple), (),
            "names of passes not to run"),
-    Option("optimizer", (type(None), "optimizer"), None,
-           "the torch.optim optimizer the step calls (needed by optimizer rewrites)"),
     Option("warn_on_graph_break", (bool,), True,
            "warn once, with the line and the fix, when backward() runs outside the compiled step"),
 )
@@ -52,7 +50,6 @@ class Options:
     lower: str = "inductor"
     passes: tuple[str, ...] | None = None
     disable_passes: tuple[str, ...] = ()
-    optimizer: Any = None
     warn_on_graph_break: bool = True
 
     @staticmethod
