@@ -13,6 +13,8 @@ from optpass import lowering
 from optpass.capture import (GraphKind, capture, enable_backward_capture, warn_backward_outside,
                              warn_if_update_recompiles)
 from optpass.errors import OptpassError
+from optpass.fused_update import OptimizerInBackwardStep, refuse_update_during_accumulation
+from optpass.passes.legality import check_optimizer_in_backward
 from optpass.options import Options
 from optpass.report import GraphReport, record
 
@@ -33,12 +35,26 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         warn_backward_outside(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
+    # Optimizer in backward: prove it legal on this graph, then run the step through the
+    # callable that fuses torch.optim's own update into backward from the second update on.
+    if options.optimizer_in_backward and captured.kind is not GraphKind.OTHER:
+        check_optimizer_in_backward(captured, options)
+        refuse_update_during_accumulation(captured, options)
+        if captured.kind is GraphKind.STEP:
+            compile_fn = functools.partial(_lower, captured=captured, options=options)
+            plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
+            return OptimizerInBackwardStep(gm, captured, options, plain, compile_fn)
+    return _lower(gm, example_inputs, {}, captured=captured, options=options)
+
+
+def _lower(gm, example_inputs, context, *, captured, options):
+    """Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph."""
     report = record(GraphReport(captured, options.lower))
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
-    # Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph.
+    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
+                                context=context)
     if options.lower == "eager":
         return lowering.lower_eager(gm, example_inputs, rewrite)
-    key = repr((options.digest(), captured.roles_digest()))
+    key = repr((options.digest(), captured.roles_digest(), sorted(context)))
     return lowering.lower_inductor(gm, example_inputs, rewrite, key)
 
 

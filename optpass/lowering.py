@@ -28,11 +28,12 @@ from optpass.report import GraphReport, keeping_graphs
 from optpass.step import StepGraph
 
 
-def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: GraphReport) -> None:
+def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: GraphReport,
+            context: dict | None = None) -> None:
     """Run the pass pipeline over one aten graph of a captured Dynamo graph, in place."""
     if _is_backward_graph(graph):
         return  # the backward of a forward-only capture: nothing of the step is visible here
-    step = StepGraph.build(graph, captured)
+    step = StepGraph.build(graph, captured, context)
     keep = keeping_graphs()
     report.aten_ops_before = passes.count_ops(graph)
     if keep:

@@ -40,6 +40,16 @@ OPTIONS: tuple[Option, ...] = (
            "names of passes not to run"),
     Option("warn_on_graph_break", (bool,), True,
            "warn once, with the line and the fix, when backward() runs outside the compiled step"),
+    Option("optimizer", (type(None), "optimizer"), None,
+           "the torch.optim optimizer the step uses (needed by optimizer_in_backward)"),
+    Option("optimizer_in_backward", (bool,), False,
+           "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
+    Option("accumulation_steps", (int,), 1,
+           "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
+    Option("pipeline_parallel_degree", (int,), 1,
+           "declared pipeline-parallel degree (optimizer_in_backward refuses > 1)"),
+    Option("expert_parallel_degree", (int,), 1,
+           "declared expert-parallel degree (optimizer_in_backward refuses > 1)"),
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -51,6 +61,11 @@ class Options:
     passes: tuple[str, ...] | None = None
     disable_passes: tuple[str, ...] = ()
     warn_on_graph_break: bool = True
+    optimizer: Any = None
+    optimizer_in_backward: bool = False
+    accumulation_steps: int = 1
+    pipeline_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
 
     @staticmethod
     def from_user(user: dict[str, Any] | None) -> "Options":
@@ -72,6 +87,7 @@ class Options:
             values[key] = value
         options = Options(**values)
         _check_pass_names(options)
+        _check_combinations(options)
         return options
 
     def digest(self) -> str:
@@ -93,6 +109,17 @@ def _check_type(option: Option, value: Any) -> None:
     if option.name in ("passes", "disable_passes") and value is not None:
         if not all(isinstance(v, str) for v in value):
             raise OptpassError(f"optpass option {option.name!r} must list pass names (str), got {value!r}")
+
+
+def _check_combinations(options: Options) -> None:
+    if options.optimizer_in_backward and options.optimizer is None:
+        raise OptpassError("optimizer_in_backward needs the optimizer: "
+                           "options={'optimizer': opt, 'optimizer_in_backward': True}")
+    if options.accumulation_steps < 1:
+        raise OptpassError(f"accumulation_steps must be >= 1, got {options.accumulation_steps}")
+    if options.accumulation_steps > 1 and not options.optimizer_in_backward:
+        raise OptpassError("accumulation_steps is for optimizer_in_backward; without it, accumulate "
+                           "as usual (call opt.step() every K micro-steps)")
 
 
 def _check_pass_names(options: Options) -> None:

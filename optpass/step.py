@@ -44,6 +44,8 @@ class StepGraph:
     gradient_slots: dict[str, int]                 # position in the output tuple
     gradient_inputs: dict[str, torch.fx.Node]
     state_nodes: list[torch.fx.Node]
+    # What the backend hands to passes for this compile (e.g. the harvested optimizer update).
+    context: dict = dataclasses.field(default_factory=dict)
 
     @property
     def kind(self) -> GraphKind:
@@ -54,7 +56,7 @@ class StepGraph:
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
 
     @staticmethod
-    def build(graph: torch.fx.Graph, captured: CapturedGraph) -> "StepGraph":
+    def build(graph: torch.fx.Graph, captured: CapturedGraph, context: dict | None = None) -> "StepGraph":
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         by_input_index, by_attr = {}, {}
         for node in placeholders:
@@ -80,7 +82,7 @@ class StepGraph:
                            if i in by_input_index}
         state_nodes = [by_attr[a] for a in captured.state_attrs if a in by_attr]
         step = StepGraph(graph, captured, param_nodes, gradient_nodes, gradient_slots,
-                         gradient_inputs, state_nodes)
+                         gradient_inputs, state_nodes, dict(context or {}))
         step.annotate_regions()
         return step
 

@@ -3,9 +3,14 @@
 Each pass lives in its own file and states its precondition, rewrite, effect
 and what it refuses in the module docstring. The pipeline, in order:
 
-| pass                 | file                   | on by default | changes numerics |
-|----------------------|------------------------|---------------|------------------|
-| eliminate_dead_code  | eliminate_dead_code.py | yes           | no               |
+| pass                  | file                     | on by default | changes numerics |
+|-----------------------|--------------------------|---------------|------------------|
+| optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
+| eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
+
+``legality.py`` is not in the list: it proves a requested rewrite legal on the
+Dynamo-level step graph (where raw gradients and user source lines are exact)
+before any aten graph exists, and refuses with an error.
 
 A pass is a function ``(step: StepGraph, options: Options) -> str | None`` that
 mutates ``step.graph`` in place and returns ``None`` when it did its work, or a
@@ -27,7 +32,7 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.passes import eliminate_dead_code
+from optpass.passes import eliminate_dead_code, optimizer_in_backward
 
 log = logging.getLogger("optpass")
 
@@ -42,6 +47,8 @@ class GraphPass:
 
 
 PASSES: tuple[GraphPass, ...] = (
+    # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
+    GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
     GraphPass("eliminate_dead_code", eliminate_dead_code.run,
               applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.OTHER)),

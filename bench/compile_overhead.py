@@ -1,0 +1,541 @@
+#!/usr/bin/env python3
+"""What does optpass cost over plain Inductor, for the same training step?
+
+With no rewriting passes, ``backend="optpass"`` should cost nearly nothing over
+``backend="inductor"``: it captures the roles of each Dynamo graph, runs its
+pipeline as Inductor's ``post_grad_custom_pre_pass``, and otherwise lowers via
+the same ``compile_fx``. This script measures that, on one ``TinyLM`` training
+step (AdamW with a tensor lr), in the supported step shape::
+
+    loss = model.loss(x, y); loss.backward(); out = loss.detach(); opt.step(); opt.zero_grad(); return out
+
+Both variants import optpass, so ``torch._dynamo.config.trace_autograd_ops`` is
+on for both and Dynamo captures the same graphs (backward traced into the step
+graph): the difference is exactly optpass's capture + pass pipeline (+ the
+custom-pass plumbing it adds to Inductor).
+
+Measurements
+------------
+1. **Compile time, cold.** Each variant runs in a fresh subprocess with its own
+   empty ``TORCHINDUCTOR_CACHE_DIR`` (no FX-graph / AOTAutograd cache hits).
+   The first calls compile: call 1 compiles the step graph and the update graph
+   that creates the optimizer state, call 2 the steady update graph, call 3 is
+   warm. *compile time* = wall time of the first ``--warmup`` (3) calls minus
+   ``--warmup`` x that subprocess's median steady-state step time; the raw wall
+   time of those calls is reported too. Subprocesses alternate
+   inductor/optpass order, ``--repeats`` times each; the median is reported.
+2. **Steady-state step time.** The same subprocesses time ``--steps`` steps
+   after warmup (median per step). Because separate processes are noisy, the
+   reported step-time ratio comes from a separate *interleaved* subprocess that
+   compiles both variants (two model+optimizer copies, two step closures) and
+   alternates blocks of ``--block`` steps of each for ``--rounds`` rounds
+   (order flipped every round); per variant, the median over blocks of the
+   per-step time. (That subprocess starts from the cold runs' Inductor caches,
+   merged: step time does not depend on where the compiled code came from, and
+   it saves compiling both variants again.)
+
+Every process uses ``torch.set_num_threads(--threads)`` (and ``OMP_NUM_THREADS``).
+Each child checks that no compile happens during timing and that both variants
+compiled the same number of graphs.
+
+Usage::
+
+    python3 bench/compile_overhead.py              # full run (~5-8 min on 2 CPU cores)
+    python3 bench/compile_overhead.py --quick      # smoke run (< 2 min)
+    python3 bench/compile_overhead.py --json out.json
+    python3 bench/compile_overhead.py --profile /tmp/prof   # + cProfile of each child's compile
+
+The parent process never imports torch; all measuring is in child processes
+(``--child ...``, re-invoking this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("inductor", "optpass")
+STEP_GOAL = 1.02
+COMPILE_GOAL = 1.10
+
+FULL_MODEL = dict(vocab=256, d_model=128, n_heads=4, n_layers=4, seq_len=64, batch=8)
+QUICK_MODEL = dict(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, batch=4)
+
+RESULT_PREFIX = "RESULT:"
+
+
+# ====================================================================== child side
+
+def _setup_torch(threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    import optpass  # noqa: F401  (both variants: sets trace_autograd_ops, same captured graphs)
+
+    torch._dynamo.config.trace_autograd_ops = True
+    # Imports that the first compile would otherwise pay for inside the timed region of only
+    # the first variant of the interleaved child (the cold children pay them equally).
+    import torch._inductor.compile_fx  # noqa: F401
+    return torch
+
+
+def _make_training(torch, model_cfg: dict, seed: int = 0):
+    from optpass.models import LMConfig, TinyLM, batches, synthetic_corpus
+
+    cfg = LMConfig(vocab=model_cfg["vocab"], d_model=model_cfg["d_model"], n_heads=model_cfg["n_heads"],
+                   n_layers=model_cfg["n_layers"], seq_len=model_cfg["seq_len"])
+    torch.manual_seed(seed)
+    model = TinyLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    corpus = synthetic_corpus(cfg.vocab, 20_000, seed=seed)
+    stream = batches(corpus, model_cfg["batch"], cfg.seq_len, seed=seed)
+    data = [tuple(t.contiguous() for t in next(stream)) for _ in range(16)]
+    return model, opt, data
+
+
+def _make_step(model, opt):
+    # A factory: each variant gets its own closure (Dynamo guards on the closure's contents).
+    def train_step(x, y):
+        loss = model.loss(x, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    return train_step
+
+
+def _graph_count(torch) -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _dynamo_timed(torch) -> dict:
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {}) or {}
+    return {k: round(sum(v), 6) for k, v in metrics.items()}
+
+
+class _OptpassTimers:
+    """Time optpass's own work inside the backend (capture + pass pipeline) by wrapping it."""
+
+    def __init__(self):
+        self.seconds = {"capture": 0.0, "rewrite": 0.0}
+        import optpass.backend as backend
+        import optpass.lowering as lowering
+
+        self._wrap(backend, "capture", "capture")
+        self._wrap(lowering, "rewrite", "rewrite")
+
+    def _wrap(self, module, attr, key):
+        inner = getattr(module, attr)
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[key] += time.perf_counter() - t0
+
+        setattr(module, attr, timed)
+
+
+def _compile(torch, variant: str, step):
+    return torch.compile(step, backend=variant)
+
+
+def child_cold(args) -> dict:
+    """One variant, cold: compile (first `warmup` calls) then `steps` timed steps."""
+    torch = _setup_torch(args.threads)
+    timers = _OptpassTimers() if args.child == "optpass" else None
+    model_cfg = json.loads(args.model)
+    model, opt, data = _make_training(torch, model_cfg)
+    step = _compile(torch, args.child, _make_step(model, opt))
+
+    profiler = None
+    if args.profile_out:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    warmup_calls, graphs_after_call = [], []
+    for i in range(args.warmup):
+        x, y = data[i % len(data)]
+        if profiler:
+            profiler.enable()
+        t0 = time.perf_counter()
+        step(x, y)
+        warmup_calls.append(time.perf_counter() - t0)
+        if profiler:
+            profiler.disable()
+        graphs_after_call.append(_graph_count(torch))
+    if profiler:
+        profiler.dump_stats(args.profile_out)
+
+    graphs = _graph_count(torch)
+    times, losses = [], []
+    for i in range(args.steps):
+        x, y = data[(args.warmup + i) % len(data)]
+        t0 = time.perf_counter()
+        out = step(x, y)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(out))
+    if _graph_count(torch) != graphs:
+        raise RuntimeError(f"{args.child}: {_graph_count(torch) - graphs} graph(s) compiled during the "
+                           "timed steps (the warmup is too short or the step recompiles)")
+    if len(graphs_after_call) > 1 and graphs_after_call[-1] != graphs_after_call[-2]:
+        raise RuntimeError(f"{args.child}: call {args.warmup} still compiled (graphs per call: "
+                           f"{graphs_after_call}); raise --warmup")
+    steady = statistics.median(times)
+    result = {
+        "variant": args.child,
+        "warmup_call_s": warmup_calls,
+        "warmup_wall_s": sum(warmup_calls),
+        "compile_s": sum(warmup_calls) - len(warmup_calls) * steady,
+        "steady_median_s": steady,
+        "steady_mean_s": statistics.fmean(times),
+        "step_times_s": times,
+        "graphs_after_call": graphs_after_call,
+        "graphs": graphs,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "dynamo_timed_s": _dynamo_timed(torch),
+        "num_threads": torch.get_num_threads(),
+    }
+    if timers is not None:
+        import optpass
+
+        result["optpass_own_s"] = dict(timers.seconds)
+        result["optpass_graph_kinds"] = [r.kind.value for r in optpass.recent_reports()]
+    return result
+
+
+def child_interleaved(args) -> dict:
+    """Both variants in one process; alternate blocks of steps (the step-time ratio)."""
+    torch = _setup_torch(args.threads)
+    model_cfg = json.loads(args.model)
+    steps, datas, compile_s, graphs = {}, {}, {}, {}
+    # Informative only: this process starts from the cold runs' caches (warm-cache compiles),
+    # and the variant compiled first also pays the process's one-time warm-up.
+    for variant in VARIANTS:
+        model, opt, data = _make_training(torch, model_cfg)
+        step = _compile(torch, variant, _make_step(model, opt))
+        before = _graph_count(torch)
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            step(*data[i % len(data)])
+        compile_s[variant] = time.perf_counter() - t0
+        graphs[variant] = _graph_count(torch) - before
+        for i in range(args.block):  # a few warm steps before timing
+            step(*data[i % len(data)])
+        steps[variant], datas[variant] = step, data
+    if graphs["inductor"] != graphs["optpass"]:
+        raise RuntimeError(f"the variants compiled different numbers of graphs: {graphs}")
+
+    total = _graph_count(torch)
+    blocks = {v: [] for v in VARIANTS}
+    counter = {v: 0 for v in VARIANTS}
+    for r in range(args.rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        for variant in order:
+            step, data = steps[variant], datas[variant]
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                step(*data[counter[variant] % len(data)])
+                counter[variant] += 1
+            blocks[variant].append((time.perf_counter() - t0) / args.block)
+    if _graph_count(torch) != total:
+        raise RuntimeError("a graph was compiled during the interleaved timing (recompile)")
+    med = {v: statistics.median(blocks[v]) for v in VARIANTS}
+    paired = [o / i for o, i in zip(blocks["optpass"], blocks["inductor"])]
+    return {
+        "block_per_step_s": blocks,
+        "median_per_step_s": med,
+        "ratio_of_medians": med["optpass"] / med["inductor"],
+        "median_paired_ratio": statistics.median(paired),
+        "paired_ratios": paired,
+        "in_process_compile_s": compile_s,
+        "graphs_per_variant": graphs,
+        "compile_order": list(VARIANTS),
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def run_child(args) -> None:
+    result = child_interleaved(args) if args.child == "interleaved" else child_cold(args)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ====================================================================== parent side
+
+def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str | None = None) -> dict:
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
+        env.pop(var, None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", child,
+           "--model", json.dumps(model_cfg), "--threads", str(args.threads),
+           "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--rounds", str(args.rounds), "--block", str(args.block)]
+    if profile_out:
+        cmd += ["--profile-out", profile_out]
+    cpu_before, ours_before = _cpu_busy_s(), _children_cpu_s()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise SystemExit(f"child {child!r} timed out after {args.child_timeout}s: {' '.join(cmd)}\n"
+                         f"--- stderr tail ---\n{err[-4000:]}")
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child {child!r} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                         f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result["process_wall_s"] = wall
+    cpu_after, ours_after = _cpu_busy_s(), _children_cpu_s()
+    if cpu_before is not None and cpu_after is not None:
+        # CPU time the whole machine spent minus what this child (and its reaped workers) used:
+        # how many cores other processes kept busy while it ran, on average.
+        result["other_processes_cores"] = round(
+            max(0.0, (cpu_after - cpu_before) - (ours_after - ours_before)) / wall, 2)
+    warnings_seen = sorted({ln.strip() for ln in proc.stderr.splitlines() if "Warning" in ln})
+    if warnings_seen:
+        result["stderr_warnings"] = warnings_seen[:20]
+    return result
+
+
+def _cpu_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _busy_warning(args, runs) -> str | None:
+    """Other processes on the CPUs make the numbers noisy (and OpenMP threads that wait on a
+    descheduled sibling make steps many times slower): say so."""
+    others = [r["other_processes_cores"] for r in runs if r.get("other_processes_cores") is not None]
+    if others and max(others) > 0.25:
+        return (f"WARNING: other processes kept up to {max(others):.2f} of the {os.cpu_count()} CPUs busy "
+                f"during a child run (this benchmark runs {args.threads} threads): the times are noisy; "
+                "rerun on an idle machine for numbers to compare.")
+    return None
+
+
+def _new_cache_dir(tag: str) -> str:
+    return tempfile.mkdtemp(prefix=f"optpass-bench-{tag}-")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:9.2f}"
+
+
+def _med(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def run_parent(args) -> None:
+    model_cfg = dict(QUICK_MODEL if args.quick else FULL_MODEL)
+    started = time.perf_counter()
+    print(f"optpass compile/step overhead vs inductor | model {model_cfg} | threads {args.threads} | "
+          f"repeats {args.repeats} | warmup calls {args.warmup} | steps {args.steps} | "
+          f"interleaved {args.rounds}x{args.block}", flush=True)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+
+    cold = {v: [] for v in VARIANTS}
+    last_cache = {}  # variant -> cache dir of its last cold run (reused, merged, by the interleaved run)
+    try:
+        for rep in range(args.repeats):
+            order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                prof = os.path.join(args.profile, f"{variant}_{rep}.prof") if args.profile else None
+                cache_dir = _new_cache_dir(variant)  # empty: a cold compile
+                if variant in last_cache:
+                    shutil.rmtree(last_cache.pop(variant), ignore_errors=True)
+                last_cache[variant] = cache_dir
+                r = _spawn(args, variant, model_cfg, cache_dir, prof)
+                cold[variant].append(r)
+                print(f"  cold {variant:8s} rep {rep}: compile {r['compile_s']:7.2f} s "
+                      f"(first {args.warmup} calls {', '.join(f'{c:.2f}' for c in r['warmup_call_s'])} s), "
+                      f"steady {r['steady_median_s'] * 1e3:.2f} ms/step, graphs {r['graphs']}, "
+                      f"process {r['process_wall_s']:.1f} s, other load {r.get('other_processes_cores')} cores",
+                      flush=True)
+
+        interleaved = None
+        if args.rounds > 0:
+            # Step time does not depend on where the compiled code came from: start the interleaved
+            # run from both variants' caches merged, so it does not spend minutes compiling again.
+            merged = _new_cache_dir("interleaved")
+            last_cache["interleaved"] = merged
+            for variant in VARIANTS:
+                shutil.copytree(last_cache[variant], merged, dirs_exist_ok=True)
+            interleaved = _spawn(args, "interleaved", model_cfg, merged)
+            med = interleaved["median_per_step_s"]
+            print(f"  interleaved: inductor {med['inductor'] * 1e3:.2f} ms/step, optpass "
+                  f"{med['optpass'] * 1e3:.2f} ms/step, process {interleaved['process_wall_s']:.1f} s, "
+                  f"other load {interleaved.get('other_processes_cores')} cores",
+                  flush=True)
+    finally:
+        for d in last_cache.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+    graphs = {v: sorted({r["graphs"] for r in cold[v]}) for v in VARIANTS}
+    if graphs["inductor"] != graphs["optpass"]:
+        print(f"WARNING: the variants compiled different numbers of graphs: {graphs}")
+
+    summary = {}
+    for v in VARIANTS:
+        rs = cold[v]
+        summary[v] = {
+            "compile_s": _med([r["compile_s"] for r in rs]),
+            "warmup_wall_s": _med([r["warmup_wall_s"] for r in rs]),
+            "first_call_s": _med([r["warmup_call_s"][0] for r in rs]),
+            "second_call_s": _med([r["warmup_call_s"][1] for r in rs]) if args.warmup > 1 else None,
+            "steady_cold_process_s": _med([r["steady_median_s"] for r in rs]),
+            "steady_interleaved_s": interleaved["median_per_step_s"][v] if interleaved else None,
+            "graphs": graphs[v],
+        }
+    compile_ratio = summary["optpass"]["compile_s"] / summary["inductor"]["compile_s"]
+    wall_ratio = summary["optpass"]["warmup_wall_s"] / summary["inductor"]["warmup_wall_s"]
+    if interleaved:
+        step_ratio = interleaved["ratio_of_medians"]
+        step_source = "interleaved"
+    else:
+        step_ratio = summary["optpass"]["steady_cold_process_s"] / summary["inductor"]["steady_cold_process_s"]
+        step_source = "separate processes"
+
+    print()
+    header = f"{'':38s}{'inductor':>12s}{'optpass':>12s}{'ratio':>9s}"
+    print(header)
+    print("-" * len(header))
+
+    def row(label, key, scale=1.0, unit=""):
+        a, b = summary["inductor"][key], summary["optpass"][key]
+        if a is None or b is None:
+            return
+        print(f"{label + unit:38s}{a * scale:12.3f}{b * scale:12.3f}{b / a:9.3f}")
+
+    row(f"compile: first {args.warmup} calls - {args.warmup}x step", "compile_s", unit=" [s]")
+    row(f"  wall time of first {args.warmup} calls", "warmup_wall_s", unit=" [s]")
+    row("  call 1 (step + update/init graphs)", "first_call_s", unit=" [s]")
+    if args.warmup > 1:
+        row("  call 2 (steady update graph)", "second_call_s", unit=" [s]")
+    row("step, separate processes (median)", "steady_cold_process_s", 1e3, " [ms]")
+    if interleaved:
+        row("step, interleaved (median of blocks)", "steady_interleaved_s", 1e3, " [ms]")
+        print(f"{'  median of paired block ratios':38s}{'':24s}{interleaved['median_paired_ratio']:9.3f}")
+        warm = interleaved["in_process_compile_s"]
+        print(f"{'warm-cache compile, 1 process [s] (*)':38s}{warm['inductor']:12.3f}{warm['optpass']:12.3f}"
+              f"{warm['optpass'] / warm['inductor']:9.3f}")
+    own = [r.get("optpass_own_s", {}) for r in cold["optpass"]]
+    if own and own[0]:
+        cap = _med([o["capture"] for o in own])
+        rew = _med([o["rewrite"] for o in own])
+        print(f"{'optpass own time: capture / passes [s]':38s}{'':12s}{cap:6.3f}/{rew:5.3f}")
+    print(f"{'graphs compiled (Dynamo)':38s}{str(graphs['inductor']):>12s}{str(graphs['optpass']):>12s}")
+    kinds = cold["optpass"][0].get("optpass_graph_kinds")
+    if kinds:
+        print(f"{'optpass graph kinds':38s}{'':12s}  {', '.join(kinds)}")
+    print("-" * len(header))
+    print(f"step time ratio optpass/inductor = {step_ratio:.3f} (goal <= {STEP_GOAL}) "
+          f"[{step_source}]{'' if step_ratio <= STEP_GOAL else '  <-- over goal'}")
+    print(f"compile time ratio optpass/inductor = {compile_ratio:.3f} (goal <= {COMPILE_GOAL})"
+          f"{'' if compile_ratio <= COMPILE_GOAL else '  <-- over goal'}")
+    if interleaved:
+        print("(*) informative only: Inductor caches warm, inductor compiled first in that process "
+              "(it also pays the process's one-time warm-up)")
+    print(f"(wall-time-of-first-{args.warmup}-calls ratio = {wall_ratio:.3f}; "
+          f"total bench time {time.perf_counter() - started:.0f} s)")
+    busy = _busy_warning(args, [r for v in VARIANTS for r in cold[v]] + ([interleaved] if interleaved else []))
+    if busy:
+        print(busy)
+    warned = sorted({w for v in VARIANTS for r in cold[v] for w in r.get("stderr_warnings", [])})
+    if warned:
+        print("warnings printed by the children:")
+        for w in warned[:10]:
+            print("  " + w[:200])
+
+    report = {
+        "config": {"model": model_cfg, "threads": args.threads, "repeats": args.repeats,
+                   "warmup_calls": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                   "block": args.block, "quick": args.quick, "python": sys.version.split()[0],
+                   "cpu_count": os.cpu_count(), "busy_warning": busy,
+                   "compile_time_definition": f"wall time of the first {args.warmup} calls minus "
+                                              f"{args.warmup} x the same process's median steady step"},
+        "ratios": {"step_time": step_ratio, "step_time_source": step_source,
+                   "compile_time": compile_ratio, "warmup_wall_time": wall_ratio,
+                   "step_goal": STEP_GOAL, "compile_goal": COMPILE_GOAL},
+        "summary": summary,
+        "cold_runs": cold,
+        "interleaved": interleaved,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    else:
+        print("JSON:" + json.dumps(report))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description="Compile-time and step-time overhead of backend='optpass' over backend='inductor' "
+                    "on the same TinyLM training step (cold compiles in fresh subprocesses with empty "
+                    "Inductor caches; step-time ratio from an interleaved in-process run).")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: small model, 1 repeat, fewer steps (< 2 min)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="cold subprocesses per variant, order alternating (default 3; --quick 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steady steps per cold subprocess (default 30; --quick 10)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="calls counted as compile (default 3: step+init update, steady update, warm)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds; 0 skips the interleaved run (default 10; --quick 4)")
+    p.add_argument("--block", type=int, default=5, help="steps per interleaved block (default 5)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write all raw numbers here (default: print one 'JSON:' line)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile each cold child's compile calls into DIR/<variant>_<rep>.prof")
+    p.add_argument("--child-timeout", type=int, default=900, help="seconds before a child is killed")
+    p.add_argument("--child", choices=(*VARIANTS, "interleaved"), help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.steps is None:
+        args.steps = 10 if args.quick else 30
+    if args.rounds is None:
+        args.rounds = 4 if args.quick else 10
+    if args.warmup < 1 or args.steps < 1 or args.repeats < 1 or args.block < 1:
+        p.error("--warmup, --steps, --repeats and --block must be >= 1")
+    if args.child:
+        run_child(args)
+    else:
+        run_parent(args)
+
+
+if __name__ == "__main__":
+    main()

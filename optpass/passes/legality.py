@@ -1,0 +1,177 @@
+"""Pass legality: prove a requested rewrite legal on the captured step, or refuse it.
+
+Precondition: a step graph (Dynamo level, where each parameter's raw gradient
+is exactly ``autograd.grad(...)[i]`` and every node still carries the user's
+source line), and a request for a rewrite that moves parameter updates
+(optimizer_in_backward).
+
+Proof, by dataflow rather than by pattern lists: every value after the traced
+``autograd.grad`` is labelled with the set of parameters whose raw gradient
+flows into it. Ordinary ops take the union of their inputs' labels; in-place
+ops (``g.mul_(c)``, ``torch._foreach_mul_(grads, c)``) add the labels of their
+other inputs to what they write, per list element for ``_foreach`` ops, so the
+analysis sees mutation the way the program means it. A parameter's update may
+run inside backward only if the gradient that becomes its ``.grad`` is labelled
+with that parameter alone.
+
+Refuses, with the user's source line, why, and what to do instead:
+* any gradient that depends on another parameter's gradient: global
+  ``clip_grad_norm_``, GradScaler's unscale/found_inf, any custom global-norm
+  transform (they fail the test by construction, not by name);
+* pipeline- or expert-parallel collectives in the graph (send/recv,
+  all_to_all), or ``pipeline_parallel_degree`` / ``expert_parallel_degree`` > 1
+  in the options;
+* a step whose backward ran outside the graph (it cannot be proved on a step it
+  could not see, fact 19).
+
+    step graph                                   labels
+      g0, g1 = autograd.grad(loss, [w0, w1])     g0:{w0}  g1:{w1}
+      n = stack([norm(g0), norm(g1)]).norm()     n:{w0,w1}   <- clip_grad_norm_ (user line)
+      g0.mul_(1/n); g1.mul_(1/n)                 g0:{w0,w1} -> refused
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from optpass.capture import SUPPORTED_SHAPE, CapturedGraph, GraphKind
+from optpass.errors import OptpassError, node_user_line
+
+_PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
+
+
+def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
+    """Raise OptpassError unless every fused parameter's update depends on its own gradient only."""
+    for degree in ("pipeline_parallel_degree", "expert_parallel_degree"):
+        if getattr(options, degree, 1) > 1:
+            raise OptpassError(
+                f"optimizer_in_backward is not supported with {degree}={getattr(options, degree)}: "
+                "pipeline and expert parallelism split or reroute a parameter's gradient across "
+                "ranks and micro-batches, so it is not final inside this step's backward. "
+                "Drop optimizer_in_backward for this model, or train it without pipeline/expert parallelism.")
+    if captured.kind is GraphKind.FORWARD:
+        where = f" ({captured.split_line})" if captured.split_line else ""
+        raise OptpassError(
+            f"optimizer_in_backward needs backward() inside the compiled step, but the step stops "
+            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
+            f"`{SUPPORTED_SHAPE}`.")
+    if captured.kind is not GraphKind.STEP:
+        return
+    _refuse_parallel_collectives(captured.gm.graph)
+    _refuse_coupled_gradients(captured)
+
+
+def _refuse_parallel_collectives(graph: torch.fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).lower()
+        if any(c in name for c in _PARALLEL_COLLECTIVE_NAMES):
+            where = node_user_line(node)
+            raise OptpassError(
+                f"optimizer_in_backward refused: the step contains a pipeline/expert-parallel "
+                f"collective ({name}) at {where or node.name}. Such collectives move activations or "
+                "gradients between ranks, so a parameter's gradient is not known to be final where "
+                "backward produces it. Drop optimizer_in_backward for this step.")
+
+
+def gradient_labels(captured: CapturedGraph) -> tuple[dict[torch.fx.Node, frozenset[str]], dict]:
+    """Label each node after autograd.grad with the parameters whose raw gradient flows into it.
+
+    Returns (labels of each gradient output node by parameter name, the node
+    where each label set first grew beyond one parameter).
+    """
+    graph = captured.gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    param_of_node = {placeholders[p.input_index]: p.name for p in captured.params}
+    labels: dict[torch.fx.Node, frozenset[str]] = {}
+    element_labels: dict[torch.fx.Node, list[frozenset[str]]] = {}
+    first_mix: dict[frozenset[str], torch.fx.Node] = {}
+
+    def label_of(value) -> frozenset[str]:
+        found: set[str] = set()
+        torch.fx.node.map_arg(value, lambda n: found.update(labels.get(n, ())))
+        return frozenset(found)
+
+    def set_label(node, new):
+        labels[node] = new
+        if len(new) > 1:
+            first_mix.setdefault(new, node)
+
+    for node in graph.nodes:
+        if node.op != "call_function" and node.op != "call_method":
+            continue
+        if node.target is torch.autograd.grad:
+            inputs = node.args[1] if len(node.args) > 1 else node.kwargs["inputs"]
+            element_labels[node] = [frozenset([param_of_node[i]]) if i in param_of_node else frozenset()
+                                    for i in inputs]
+            continue
+        if node.target is operator.getitem and node.args[0] in element_labels:
+            set_label(node, element_labels[node.args[0]][node.args[1]])
+            continue
+        incoming = label_of((node.args, node.kwargs))
+        if _is_foreach(node):
+            _label_foreach(node, labels, element_labels, label_of, set_label)
+        elif _is_inplace(node) and isinstance(node.args[0], torch.fx.Node):
+            target = node.args[0]
+            set_label(target, labels.get(target, frozenset()) | incoming)
+            set_label(node, labels[target])
+        elif incoming:
+            set_label(node, incoming)
+    return labels, first_mix
+
+
+def _is_foreach(node: torch.fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.startswith("_foreach_")
+
+
+def _is_inplace(node: torch.fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or node.target in (operator.iadd, operator.imul,
+                                                                              operator.isub, operator.itruediv)
+
+
+def _label_foreach(node, labels, element_labels, label_of, set_label) -> None:
+    """_foreach ops work per list index: element k reads element k of every list argument."""
+    lists = [a for a in node.args if isinstance(a, (list, tuple))]
+    scalars = [a for a in node.args if not isinstance(a, (list, tuple))]
+    shared = label_of((scalars, node.kwargs))
+    length = len(lists[0]) if lists else 0
+    per_element = [shared | label_of([lst[k] for lst in lists if k < len(lst)]) for k in range(length)]
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name.endswith("_") and lists:            # in place: writes the first list, element by element
+        for target, label in zip(lists[0], per_element):
+            if isinstance(target, torch.fx.Node):
+                set_label(target, labels.get(target, frozenset()) | label)
+    else:                                        # returns a new list: getitem k reads element k
+        element_labels[node] = per_element
+    for label in per_element:
+        if len(label) > 1:
+            set_label(node, label)
+
+
+def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
+    labels, first_mix = gradient_labels(captured)
+    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    for name, index in captured.gradient_outputs.items():
+        gradient = output.args[0][index]
+        label = labels.get(gradient, frozenset())
+        others = sorted(label - {name})
+        if not others:
+            continue
+        culprit = first_mix.get(label) or next(
+            (node for mixed, node in first_mix.items() if mixed <= label and len(mixed) > 1), None)
+        where = node_user_line(culprit) if culprit is not None else None
+        raise OptpassError(
+            f"optimizer_in_backward refused: the gradient of {name!r} depends on the gradients of "
+            f"other parameters ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}), "
+            f"combined at {where or (culprit.name if culprit is not None else 'an unknown node')}. "
+            "Fusing each update into backward would apply it before the other gradients exist "
+            "(torchtitan's optimizer-in-backward silently made clip_grad_norm_ a no-op this way). "
+            "What to do: for global gradient clipping pass options={'clip_grad_norm': max_norm} "
+            "instead of calling clip_grad_norm_ in the step; for GradScaler or other transforms "
+            "that couple parameters, drop optimizer_in_backward.")

@@ -1,0 +1,143 @@
+"""Pass optimizer_in_backward: each parameter's update runs as soon as its gradient is final.
+
+Precondition: a step graph whose legality was proved (``legality.py``: every
+fused parameter's gradient depends on its own raw gradient only), the
+optimizer's update harvested from torch.optim itself (``harvest.py``), and the
+optimizer's state tensors and per-group lr as extra inputs of the step graph
+(``fused_update.py`` adds them).
+
+Rewrite: for each fused parameter ``p``, the harvested slice that updates ``p``
+and its state is copied into the step graph, its placeholders bound to
+``p``, ``p``'s final gradient, ``p``'s state inputs and its group's lr, and
+placed right after the last node that the update must follow: the node that
+makes the gradient final (every contribution accumulated, e.g. tied weights)
+and every read of ``p``'s old value, views included (fact 21). The slice
+ends with in-place ``copy_`` writes into ``p`` and its state; ``p``'s gradient
+output slot becomes ``None``.
+
+Effect: the gradient's last use is its update, so it dies there: at most a few
+gradients are live at a time instead of all of them; ``p.grad`` is None after
+the step and ``opt.step()`` has nothing to do (fact 4).
+
+Refuses (via legality): coupled gradients (global clipping, GradScaler),
+pipeline/expert parallelism, a step whose backward ran outside the graph.
+
+    before:                                  after:
+      g1 = mm(t(dy), x1)                       g1 = mm(t(dy), x1)
+      dx = mm(dy, w1)     # reads w1           dx = mm(dy, w1)
+      g0 = mm(t(dx), x0)                       w1' = <AdamW(w1, g1, state1, lr)>; copy_(w1, w1')
+      return (loss, g0, g1)                    g0 = mm(t(dx), x0)
+                                               w0' = <AdamW(w0, g0, state0, lr)>; copy_(w0, w0')
+                                               return (loss, None, None)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from optpass.step import REGION_KEY, UPDATE
+
+CONTEXT_KEY = "optimizer_update"
+
+
+def run(step, options) -> str | None:
+    plan = step.context.get(CONTEXT_KEY)
+    if plan is None:
+        return "not requested (options optimizer_in_backward)" if not options.optimizer_in_backward \
+            else "this compile keeps gradients (first step or accumulation micro-step)"
+    splice_updates(step, plan)
+    return None
+
+
+def splice_updates(step, plan) -> None:
+    """Insert each parameter's harvested update after its gradient is final; drop the gradient output."""
+    graph = step.graph
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+    inputs = _placeholders_by_dynamo_index(graph)
+    output = step.output_node
+    outputs = list(output.args[0])
+    for name, update in plan.harvested.updates.items():
+        gradient = step.gradient_nodes[name]
+        gradient_value = _accumulated_value(gradient)
+        env = {update.param: step.param_nodes[name], update.gradient: gradient_value}
+        env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
+        env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
+        anchor = _last_node_update_must_follow(graph, step.param_nodes[name], gradient_value)
+        with graph.inserting_before(anchor.next):  # keeps the slice's order
+            inserted = _copy_slice(graph, update, env, fake_mode)
+        outputs[step.gradient_slots[name]] = None
+        if gradient is not gradient_value:     # accumulation: the update replaces the write into .grad
+            outputs_use = [o for o in outputs if o is gradient]
+            if not outputs_use and not gradient.users:
+                graph.erase_node(gradient)
+        for node in inserted:
+            node.meta[REGION_KEY] = UPDATE
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    graph.eliminate_dead_code()
+    step.gradient_nodes.clear()
+
+
+def _placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
+    found = {}
+    for node in graph.nodes:
+        desc = node.meta.get("desc")
+        if node.op == "placeholder" and type(desc).__name__ == "PlainAOTInput":
+            found[desc.idx] = node
+    return found
+
+
+def _accumulated_value(gradient: torch.fx.Node) -> torch.fx.Node:
+    """For `copy_(grad_input, old + new)` (gradient accumulation) the update reads `old + new`."""
+    if gradient.target is torch.ops.aten.copy_.default and gradient.args[0].op == "placeholder":
+        return gradient.args[1]
+    return gradient
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every node that reads the parameter's current value, through views too."""
+    readers, stack = set(), [param]
+    while stack:
+        for user in stack.pop().users:
+            if user in readers:
+                continue
+            readers.add(user)
+            if _is_view(user):
+                stack.append(user)
+    return readers
+
+
+def _last_node_update_must_follow(graph, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
+    return max(must_follow, key=position.__getitem__)
+
+
+def _copy_slice(graph, update, env, fake_mode) -> list[torch.fx.Node]:
+    inserted = []
+    for node in update.nodes:
+        copy = graph.node_copy(node, lambda n: env[n])
+        copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
+        _set_fake_value(copy, fake_mode)
+        env[node] = copy
+        inserted.append(copy)
+    for target, value in update.writes.items():
+        write = graph.call_function(torch.ops.aten.copy_.default, (env[target], env[value]))
+        _set_fake_value(write, fake_mode)
+        inserted.append(write)
+    return inserted
+
+
+def _set_fake_value(node: torch.fx.Node, fake_mode) -> None:
+    """Later Inductor passes read meta['val'] (fact 22): run the op on the fake inputs."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
