@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from typing import Any, Iterator
 
 import torch
@@ -26,7 +25,6 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.errors import OptpassError
 
-_LR_SOURCE = re.compile(r"param_groups\[(\d+)\]\['lr'\]")
 
 
 @dataclasses.dataclass
@@ -77,12 +75,18 @@ def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor])
             p.grad = grad
 
 
-def _record_update_graph(optimizer, grad_owner) -> tuple[torch.fx.GraphModule, list, dict]:
+def _record_update_graph(optimizer, role_of: dict[int, tuple]) -> tuple[torch.fx.GraphModule, list, dict]:
     recorded: list[tuple[torch.fx.GraphModule, list, dict]] = []
 
     def recorder(gm, example_inputs):
-        # Dynamo drops the placeholders' sources after the backend returns: read them now.
-        recorded.append((gm, list(example_inputs), _dynamo_placeholder_roles(gm, grad_owner)))
+        # Dynamo drops the placeholders' examples after the backend returns: read them now.
+        roles = {}
+        for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+            grapharg = node.meta.get("grapharg")
+            example = grapharg.example if grapharg is not None else None
+            source = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
+            roles[index] = role_of.get(id(example), ("unknown", source))
+        recorded.append((gm, list(example_inputs), roles))
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
                     for a in output.args[0]]
@@ -100,31 +104,24 @@ def _record_update_graph(optimizer, grad_owner) -> tuple[torch.fx.GraphModule, l
 def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
     """The update of the parameters in `names` (name -> parameter), as a sliced aten graph."""
     params = list(names.values())
-    name_of = {id(p): n for n, p in names.items()}
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     with _harvest_setup(optimizer, params):
-        grad_owner = {id(p.grad): name_of[id(p)] for p in params}
-        gm, example_inputs, placeholder_roles = _record_update_graph(optimizer, grad_owner)
-        state_owner = {id(t): (name_of[id(p)], key) for p in params
-                       for key, t in optimizer.state.get(p, {}).items() if isinstance(t, torch.Tensor)}
+        # Every tensor the update can read, by identity: Dynamo hands it over as an attribute
+        # (get_attr) or as an input, depending on where the optimizer's frames broke.
+        role_of: dict[int, tuple] = {}
+        for name, p in names.items():
+            role_of[id(p)] = ("param", name)
+            role_of[id(p.grad)] = ("gradient", name)
+            for key, t in optimizer.state.get(p, {}).items():
+                if isinstance(t, torch.Tensor):
+                    role_of[id(t)] = ("state", (name, key))
+        for g, group in enumerate(optimizer.param_groups):
+            role_of[id(group["lr"])] = ("lr", g)
+        gm, example_inputs, placeholder_roles = _record_update_graph(optimizer, role_of)
+        attr_roles = {n.target: role_of.get(id(getattr(gm, n.target, None)), ("unknown", n.target))
+                      for n in gm.graph.nodes if n.op == "get_attr"}
         aten = _to_aten(gm, example_inputs)
-    return _slice_per_parameter(aten, gm, placeholder_roles, name_of, state_owner, group_of, names)
-
-
-def _dynamo_placeholder_roles(gm, grad_owner) -> dict[int, tuple[str, Any]]:
-    roles = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for index, node in enumerate(placeholders):
-        grapharg = node.meta.get("grapharg")
-        source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
-        example = grapharg.example if grapharg is not None else None
-        if source.endswith(".grad") and id(example) in grad_owner:
-            roles[index] = ("gradient", grad_owner[id(example)])
-        elif (match := _LR_SOURCE.search(source)) is not None:
-            roles[index] = ("lr", int(match.group(1)))
-        else:
-            roles[index] = ("unknown", source)
-    return roles
+    return _slice_per_parameter(aten, placeholder_roles, attr_roles, group_of, names)
 
 
 def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
@@ -142,30 +139,29 @@ def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
     return captured[0]
 
 
-def _slice_per_parameter(graph, gm, placeholder_roles, name_of, state_owner, group_of, names):
+def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
     param_ph, grad_ph, state_ph, lr_ph = {}, {}, {}, {}
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
         desc = node.meta.get("desc")
-        kind = type(desc).__name__
-        if kind == "ParamAOTInput":
-            tensor = getattr(gm, desc.target)
-            if id(tensor) in name_of:
-                param_ph[name_of[id(tensor)]] = node
-        elif kind == "BufferAOTInput":
-            owner = state_owner.get(id(getattr(gm, desc.target)))
-            if owner is not None:
-                state_ph.setdefault(owner[0], {})[owner[1]] = node
-        elif kind == "PlainAOTInput":
+        if type(desc).__name__ == "PlainAOTInput":
             role, value = placeholder_roles[desc.idx]
-            if role == "gradient":
-                grad_ph[value] = node
-            elif role == "lr":
-                lr_ph[value] = node
-            else:
-                raise OptpassError(f"optimizer_in_backward: the update graph reads {value!r}, an input "
-                                   "optpass does not know how to provide inside backward.")
+        elif hasattr(desc, "target"):                      # ParamAOTInput / BufferAOTInput
+            role, value = attr_roles.get(desc.target, ("unknown", desc.target))
+        else:
+            role, value = "unknown", str(desc)
+        if role == "param":
+            param_ph[value] = node
+        elif role == "gradient":
+            grad_ph[value] = node
+        elif role == "state":
+            state_ph.setdefault(value[0], {})[value[1]] = node
+        elif role == "lr":
+            lr_ph[value] = node
+        else:
+            raise OptpassError(f"optimizer_in_backward: the update graph reads {value!r}, an input "
+                               "optpass does not know how to provide inside backward.")
     # New values of mutated inputs: in-graph copy_ (state), or outputs that AOTAutograd
     # copies back (parameters: they require grad, so their mutation is an output).
     writes: dict[torch.fx.Node, torch.fx.Node] = {}
