@@ -160,10 +160,13 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
     return CapturedGraph(kind=kind, backward_line=backward_line, params=params, **common)
 
 
+OPTIMIZER_SPLIT = "optimizer.step()"
+
+
 def _split_reason(split) -> str:
     optim_dir = f"torch{os.sep}optim{os.sep}"
     if optim_dir in split.reason or any(optim_dir in frame.filename for frame in split.user_stack):
-        return "optimizer.step() (torch.optim always compiles as a graph of its own)"
+        return OPTIMIZER_SPLIT + " (torch.optim always compiles as a graph of its own)"
     return split.reason.strip().splitlines()[0]
 
 

@@ -36,18 +36,30 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     step = StepGraph.build(graph, captured, context)
     keep = keeping_graphs()
     report.aten_ops_before = passes.count_ops(graph)
+    gradient_names = step.gradient_buffer_names()
+
+    def tag(node: torch.fx.Node) -> str | None:
+        return "gradient" if node.name in gradient_names else None
+
     if keep:
         from optpass.memory import estimate_peak_memory
 
+        report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)
+        report.largest_gradient_bytes = max((_nbytes(g) for g in step.gradient_nodes.values()), default=0)
         report.graph_before = _snapshot(graph)
-        report.memory_before = estimate_peak_memory(graph, tag=step.gradient_tag)
+        report.memory_before = estimate_peak_memory(graph, tag=tag)
     report.passes = passes.run_pipeline(step, options)
     step.annotate_regions()
     report.regions = step.region_sizes()
     report.aten_ops_after = passes.count_ops(graph)
     if keep:
         report.graph_after = _snapshot(graph)
-        report.memory_after = estimate_peak_memory(graph, tag=StepGraph.build(graph, captured).gradient_tag)
+        report.memory_after = estimate_peak_memory(graph, tag=tag)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _is_backward_graph(graph: torch.fx.Graph) -> bool:

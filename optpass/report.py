@@ -31,8 +31,10 @@ class GraphReport:
     memory_after: Any = None
     aten_ops_before: int | None = None
     aten_ops_after: int | None = None
-    graph_before: torch.fx.GraphModule | None = None
-    graph_after: torch.fx.GraphModule | None = None
+    graph_before: torch.fx.Graph | None = None
+    graph_after: torch.fx.Graph | None = None
+    gradient_bytes: int | None = None          # all gradients that become p.grad, before passes
+    largest_gradient_bytes: int | None = None
     error: str | None = None
 
     @property
@@ -61,6 +63,8 @@ class GraphReport:
             "passes": [dataclasses.asdict(p) for p in self.passes],
             "memory_before": _memory_dict(self.memory_before),
             "memory_after": _memory_dict(self.memory_after),
+            "gradient_bytes": self.gradient_bytes,
+            "largest_gradient_bytes": self.largest_gradient_bytes,
             "error": self.error,
         }
 

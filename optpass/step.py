@@ -120,13 +120,30 @@ class StepGraph:
     def nodes_in(self, region: str) -> Iterable[torch.fx.Node]:
         return (n for n in self.graph.nodes if self.region_of(n) == region)
 
-    def gradient_tag(self, node: torch.fx.Node) -> str | None:
-        """Memory-estimate tag: which allocations are gradients that become p.grad."""
-        return "gradient" if node in self._gradient_set else None
+    def gradient_buffer_names(self) -> set[str]:
+        """Names of the nodes that allocate the gradients that become p.grad.
 
-    @property
-    def _gradient_set(self) -> set[torch.fx.Node]:
-        return set(self.gradient_nodes.values())
+        Names, not nodes: they survive graph copies and rewrites, so the memory
+        estimate can count the same gradients before and after a pass. A gradient
+        materialized by Dynamo's `empty_like(p).copy_(g)` counts with its source `g`.
+        """
+        names = set()
+        for node in self.gradient_nodes.values():
+            names.add(node.name)
+            if node.target is torch.ops.aten.copy.default and isinstance(node.args[1], torch.fx.Node):
+                source = node.args[1]
+                while is_view(source) and isinstance(source.args[0], torch.fx.Node):
+                    source = source.args[0]  # the buffer is allocated where the view chain starts
+                names.add(source.name)
+        return names
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """An aten op whose result aliases an input without writing it (t, view, permute, ...)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def _materializes_gradient(node: torch.fx.Node) -> bool:

@@ -16,3 +16,12 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def float64_default():
+    """Optimizer step counters follow the default dtype; float64 keeps rounding out of parity tests."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

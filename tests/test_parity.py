@@ -13,13 +13,7 @@ STEPS = 20
 TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def float64_scalars():
-    """Optimizer step counters follow the default dtype; float64 keeps their rounding out of the way."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def make_step(model, opt, loss_fn, clip=None, scheduler=None):

@@ -37,7 +37,7 @@ import operator
 import torch
 import torch.fx
 
-from optpass.capture import SUPPORTED_SHAPE, CapturedGraph, GraphKind
+from optpass.capture import OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind
 from optpass.errors import OptpassError, node_user_line
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
@@ -60,8 +60,23 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
             f"`{SUPPORTED_SHAPE}`.")
     if captured.kind is not GraphKind.STEP:
         return
+    _refuse_unseen_gradient_transforms(captured)
     _refuse_parallel_collectives(captured.gm.graph)
     _refuse_coupled_gradients(captured)
+
+
+def _refuse_unseen_gradient_transforms(captured: CapturedGraph) -> None:
+    """A step graph must end at opt.step() or at return: a graph break after backward() hides
+    whatever it does to the gradients (GradScaler's unscale_, a custom transform) from the proof."""
+    if captured.split_reason is None or captured.split_reason.startswith(OPTIMIZER_SPLIT):
+        return
+    raise OptpassError(
+        f"optimizer_in_backward refused: the compiled step ends after backward() at "
+        f"{captured.split_line}, because of: {captured.split_reason}. What runs after that point "
+        "(e.g. GradScaler.unscale_, a gradient transform with .item()) could change or couple the "
+        "gradients, and optpass does not prove a rewrite on code it cannot see. Make everything "
+        "between loss.backward() and opt.step() compile (no graph breaks), or drop "
+        "optimizer_in_backward.")
 
 
 def _refuse_parallel_collectives(graph: torch.fx.Graph) -> None:

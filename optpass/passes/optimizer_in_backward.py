@@ -37,7 +37,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from optpass.step import REGION_KEY, UPDATE
+from optpass.step import REGION_KEY, UPDATE, is_view
 
 CONTEXT_KEY = "optimizer_update"
 
@@ -56,26 +56,32 @@ def splice_updates(step, plan) -> None:
     graph = step.graph
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
     inputs = _placeholders_by_dynamo_index(graph)
+    # First drop the gradient outputs and what only existed to fill .grad (Dynamo's
+    # empty_like + copy, the accumulate-into-.grad write), so they neither keep the
+    # gradient alive nor count as late reads of the parameter.
     output = step.output_node
     outputs = list(output.args[0])
-    for name, update in plan.harvested.updates.items():
+    gradient_values = {}
+    for name in plan.harvested.updates:
+        gradient_values[name] = _gradient_value(step.gradient_nodes[name])
+        outputs[step.gradient_slots[name]] = None
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    for name, value in gradient_values.items():
         gradient = step.gradient_nodes[name]
-        gradient_value = _accumulated_value(gradient)
-        env = {update.param: step.param_nodes[name], update.gradient: gradient_value}
+        if gradient is not value and not gradient.users:
+            destination = gradient.args[0]
+            graph.erase_node(gradient)
+            if destination.op != "placeholder" and not destination.users:
+                graph.erase_node(destination)    # Dynamo's empty_like(p)
+    for name, update in plan.harvested.updates.items():
+        env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
         env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
         env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
-        anchor = _last_node_update_must_follow(graph, step.param_nodes[name], gradient_value)
+        anchor = _last_node_update_must_follow(graph, step.param_nodes[name], gradient_values[name])
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = _copy_slice(graph, update, env, fake_mode)
-        outputs[step.gradient_slots[name]] = None
-        if gradient is not gradient_value:     # accumulation: the update replaces the write into .grad
-            outputs_use = [o for o in outputs if o is gradient]
-            if not outputs_use and not gradient.users:
-                graph.erase_node(gradient)
         for node in inserted:
             node.meta[REGION_KEY] = UPDATE
-    output.args = (tuple(outputs),) + tuple(output.args[1:])
-    graph.eliminate_dead_code()
     step.gradient_nodes.clear()
 
 
@@ -88,18 +94,24 @@ def _placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.N
     return found
 
 
-def _accumulated_value(gradient: torch.fx.Node) -> torch.fx.Node:
-    """For `copy_(grad_input, old + new)` (gradient accumulation) the update reads `old + new`."""
-    if gradient.target is torch.ops.aten.copy_.default and gradient.args[0].op == "placeholder":
+def _gradient_value(gradient: torch.fx.Node) -> torch.fx.Node:
+    """The value the update reads, skipping the writes that only exist to fill `.grad`.
+
+    `copy_(grad_input, old + new)` (accumulation into an existing .grad) -> `old + new`;
+    `copy(empty_like(p), g)` (Dynamo's materialization of a new .grad, eager lowering) -> `g`,
+    so the update follows the gradient's computation, not the copies after all of backward.
+    """
+    aten = torch.ops.aten
+    if gradient.target is aten.copy_.default and gradient.args[0].op == "placeholder":
+        return gradient.args[1]
+    if gradient.target is aten.copy.default and getattr(gradient.args[0], "target", None) is aten.empty_like.default:
         return gradient.args[1]
     return gradient
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    returns = node.target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+# Ops that read only a tensor's metadata (shape, dtype): an update may run before them.
+_METADATA_ONLY = {torch.ops.aten.empty_like.default, torch.ops.aten.sym_size.int,
+                  torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default}
 
 
 def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
@@ -107,10 +119,10 @@ def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
     readers, stack = set(), [param]
     while stack:
         for user in stack.pop().users:
-            if user in readers:
+            if user in readers or user.target in _METADATA_ONLY:
                 continue
             readers.add(user)
-            if _is_view(user):
+            if is_view(user):
                 stack.append(user)
     return readers
 
