@@ -302,6 +302,8 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["process_wall_s"] = wall
     cpu_after, ours_after = _cpu_busy_s(), _children_cpu_s()
+    # CPU time of the child and the compile workers it reaped: less sensitive to other load than wall time.
+    result["process_cpu_s"] = round(ours_after - ours_before, 3)
     if cpu_before is not None and cpu_after is not None:
         # CPU time the whole machine spent minus what this child (and its reaped workers) used:
         # how many cores other processes kept busy while it ran, on average.
@@ -415,6 +417,9 @@ def run_parent(args) -> None:
             "steady_cold_process_s": _med([r["steady_median_s"] for r in rs]),
             "steady_interleaved_s": interleaved["median_per_step_s"][v] if interleaved else None,
             "graphs": graphs[v],
+            "process_cpu_s": _med([r["process_cpu_s"] for r in rs]),
+            "dynamo_timed_s": {k: _med([r["dynamo_timed_s"].get(k, 0.0) for r in rs])
+                               for k in sorted({k for r in rs for k in r["dynamo_timed_s"]})},
         }
     compile_ratio = summary["optpass"]["compile_s"] / summary["inductor"]["compile_s"]
     wall_ratio = summary["optpass"]["warmup_wall_s"] / summary["inductor"]["warmup_wall_s"]
@@ -448,6 +453,7 @@ def run_parent(args) -> None:
         warm = interleaved["in_process_compile_s"]
         print(f"{'warm-cache compile, 1 process [s] (*)':38s}{warm['inductor']:12.3f}{warm['optpass']:12.3f}"
               f"{warm['optpass'] / warm['inductor']:9.3f}")
+    row("CPU time of a whole cold process", "process_cpu_s", unit=" [s]")
     own = [r.get("optpass_own_s", {}) for r in cold["optpass"]]
     if own and own[0]:
         cap = _med([o["capture"] for o in own])
@@ -457,6 +463,11 @@ def run_parent(args) -> None:
     kinds = cold["optpass"][0].get("optpass_graph_kinds")
     if kinds:
         print(f"{'optpass graph kinds':38s}{'':12s}  {', '.join(kinds)}")
+    diffs = sorted(((summary["optpass"]["dynamo_timed_s"].get(k, 0.0) - summary["inductor"]["dynamo_timed_s"].get(k, 0.0), k)
+                    for k in set(summary["optpass"]["dynamo_timed_s"]) | set(summary["inductor"]["dynamo_timed_s"])),
+                   key=lambda dk: -abs(dk[0]))
+    print("largest compile-phase differences, optpass - inductor (medians of dynamo_timed, nested, s):")
+    print("  " + ", ".join(f"{k} {d:+.2f}" for d, k in diffs[:6]))
     print("-" * len(header))
     print(f"step time ratio optpass/inductor = {step_ratio:.3f} (goal <= {STEP_GOAL}) "
           f"[{step_source}]{'' if step_ratio <= STEP_GOAL else '  <-- over goal'}")

@@ -187,6 +187,6 @@ def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
             f"combined at {where or (culprit.name if culprit is not None else 'an unknown node')}. "
             "Fusing each update into backward would apply it before the other gradients exist "
             "(torchtitan's optimizer-in-backward silently made clip_grad_norm_ a no-op this way). "
-            "What to do: for global gradient clipping pass options={'clip_grad_norm': max_norm} "
-            "instead of calling clip_grad_norm_ in the step; for GradScaler or other transforms "
-            "that couple parameters, drop optimizer_in_backward.")
+            "What to do: keep the global transform (clip_grad_norm_, GradScaler, ...) and drop "
+            "optimizer_in_backward, or remove the transform (per-parameter transforms such as "
+            "p.grad.mul_(c) or per-parameter clipping stay legal).")

@@ -1,0 +1,121 @@
+"""optimizer_in_backward's rewrite, pinned as graph diffs (read them: each update follows its gradient)."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import optpass
+
+
+def fused_graph_diff(model, opt, loss_fn, *inputs):
+    def train_step(*args):
+        loss = loss_fn(*args)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    step = torch.compile(train_step, backend="optpass",
+                         options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True})
+    step(*inputs)                      # first update: torch.optim creates its state
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        step(*inputs)                  # the fused graph is compiled here
+    report = next(r for r in optpass.recent_reports() if r.graph_after is not None)
+    return optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)
+
+
+class TestOptimizerInBackwardGraph(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+
+    def test_two_layer_mlp_sgd_momentum_updates_follow_their_gradients(self):
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        diff = fused_graph_diff(model, opt, lambda x, y: F.mse_loss(model(x), y),
+                                torch.randn(5, 3), torch.randn(5, 2))
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -27,3 +27,19 @@
+ view_0 = aten.view(sum_0, [2])
++clone_0 = aten.clone(in4)
++mul_0 = aten.mul.Tensor(in10, 0.9)
++add_0 = aten.add.Tensor(mul_0, view_0)
++neg_0 = aten.neg(in6)
++fma_0 = prims.fma(add_0, neg_0, clone_0)
++copy_0 = aten.copy(clone_0, fma_0)
++copy__0 = aten.copy_(in10, add_0)
++copy__1 = aten.copy_(in4, copy_0)
+ t_5 = aten.t(t_4)
++clone_1 = aten.clone(in3)
++mul_1 = aten.mul.Tensor(in9, 0.9)
++add_1 = aten.add.Tensor(mul_1, t_5)
++neg_1 = aten.neg(in6)
++fma_1 = prims.fma(add_1, neg_1, clone_1)
++copy_1 = aten.copy(clone_1, fma_1)
++copy__2 = aten.copy_(in3, copy_1)
++copy__3 = aten.copy_(in9, add_1)
+ detach_1 = aten.detach(detach_0)
+@@ -35,12 +51,20 @@
+ view_1 = aten.view(sum_1, [4])
++clone_2 = aten.clone(in1)
++mul_2 = aten.mul.Tensor(in8, 0.9)
++add_2 = aten.add.Tensor(mul_2, view_1)
++neg_2 = aten.neg(in6)
++fma_2 = prims.fma(add_2, neg_2, clone_2)
++copy_2 = aten.copy(clone_2, fma_2)
++copy__4 = aten.copy_(in8, add_2)
++copy__5 = aten.copy_(in1, copy_2)
+ t_8 = aten.t(t_7)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, t_8)
+-empty_like_1 = aten.empty_like(in1, pin_memory=False)
+-copy_1 = aten.copy(empty_like_1, view_1)
+-empty_like_2 = aten.empty_like(in3, pin_memory=False)
+-copy_2 = aten.copy(empty_like_2, t_5)
+-empty_like_3 = aten.empty_like(in4, pin_memory=False)
+-copy_3 = aten.copy(empty_like_3, view_0)
++clone_3 = aten.clone(in0)
++mul_3 = aten.mul.Tensor(in7, 0.9)
++add_3 = aten.add.Tensor(mul_3, t_8)
++neg_3 = aten.neg(in6)
++fma_3 = prims.fma(add_3, neg_3, clone_3)
++copy_3 = aten.copy(clone_3, fma_3)
++copy__6 = aten.copy_(in7, add_3)
++copy__7 = aten.copy_(in0, copy_3)
+ detach_2 = aten.detach(mse_loss_0)
+-return (detach_2, copy_0, copy_1, copy_2, copy_3)
++return (detach_2, None, None, None, None)""")
+
+    def test_tied_weight_updates_after_both_contributions(self):
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(6, 3)
+
+            def forward(self, tokens):
+                return self.embed(tokens) @ self.embed.weight.t()   # the head reuses the embedding
+
+        model = Tied()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        diff = fused_graph_diff(model, opt, lambda t, y: F.cross_entropy(model(t), y),
+                                torch.tensor([1, 2, 3]), torch.tensor([2, 3, 4]))
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -24,5 +24,8 @@
+ add_0 = aten.add.Tensor(t_4, embedding_dense_backward_0)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, add_0)
++clone_0 = aten.clone(in0)
++neg_0 = aten.neg(in3)
++fma_0 = prims.fma(add_0, neg_0, clone_0)
++copy_0 = aten.copy(clone_0, fma_0)
++copy__0 = aten.copy_(in0, copy_0)
+ detach_2 = aten.detach(getitem_0)
+-return (detach_2, copy_0)
++return (detach_2, None)""")
