@@ -63,5 +63,11 @@ def explaining_backend(gm, example_inputs, options=None):
     options = Options.from_user(options)
     captured = capture(gm)
     report = record(GraphReport(captured, "explain (aten graph, not run)"))
+    if options.optimizer_in_backward and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
+        try:
+            check_optimizer_in_backward(captured, options)
+            report.legality = "optimizer_in_backward is legal: every gradient depends on its own parameter only"
+        except OptpassError as error:
+            report.legality = f"optimizer_in_backward refused: {error}"
     rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
     return lowering.lower_dry(gm, example_inputs, rewrite)

@@ -95,6 +95,8 @@ def _describe(index: int, g: GraphReport) -> list[str]:
     if d["aten_ops_before"] is not None:
         regions = ", ".join(f"{k} {v}" for k, v in d["regions"].items())
         lines.append(f"    aten ops: {d['aten_ops_before']} -> {d['aten_ops_after']}; regions: {regions}")
+    if g.legality:
+        lines.append(f"    legality: {g.legality}")
     for outcome in g.passes:
         lines.append(f"    pass {outcome}")
     if g.memory_before is not None:

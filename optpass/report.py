@@ -36,6 +36,7 @@ class GraphReport:
     gradient_bytes: int | None = None          # all gradients that become p.grad, before passes
     largest_gradient_bytes: int | None = None
     error: str | None = None
+    legality: str | None = None                # explain: the verdict on a requested rewrite
 
     @property
     def kind(self) -> GraphKind:
@@ -66,6 +67,7 @@ class GraphReport:
             "gradient_bytes": self.gradient_bytes,
             "largest_gradient_bytes": self.largest_gradient_bytes,
             "error": self.error,
+            "legality": self.legality,
         }
 
 

@@ -195,3 +195,21 @@ def test_tutorial_step_shape_is_refused_with_the_fix():
 def test_options_without_an_optimizer_are_refused():
     with pytest.raises(optpass.OptpassError, match="needs the optimizer"):
         optpass.options.Options.from_user({"optimizer_in_backward": True})
+
+
+def test_explain_reports_the_legality_verdict():
+    model, opt = setup_model()
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    report = optpass.explain(train_step, *data(), options={"optimizer": opt, "optimizer_in_backward": True})
+    verdict = report.to_dict()["graphs"][0]["legality"]
+    assert verdict.startswith("optimizer_in_backward refused") and "clip_grad_norm_" in verdict
+    assert "legality: optimizer_in_backward refused" in str(report)
