@@ -98,6 +98,8 @@ class OptimizerInBackwardStep:
     def _step_eagerly(self, outputs: list) -> None:
         for name, slot in zip(self.fused, self.fused_slots):
             self.fused[name].grad = outputs[slot]
+        if self.options.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.fused.values()), self.options.clip_grad_norm)
         self.optimizer.step()
         for p in self.fused.values():
             p.grad = None

@@ -46,6 +46,8 @@ OPTIONS: tuple[Option, ...] = (
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
     Option("accumulation_steps", (int,), 1,
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
+    Option("clip_grad_norm", (type(None), float, int), None,
+           "with optimizer_in_backward: exact global-norm clipping to this max norm (one extra backward)"),
     Option("pipeline_parallel_degree", (int,), 1,
            "declared pipeline-parallel degree (optimizer_in_backward refuses > 1)"),
     Option("expert_parallel_degree", (int,), 1,
@@ -64,6 +66,7 @@ class Options:
     optimizer: Any = None
     optimizer_in_backward: bool = False
     accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
     pipeline_parallel_degree: int = 1
     expert_parallel_degree: int = 1
 
@@ -92,7 +95,7 @@ class Options:
 
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
-        return repr((self.passes, tuple(sorted(self.disable_passes))))
+        return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm))
 
 
 def _check_type(option: Option, value: Any) -> None:
@@ -115,6 +118,9 @@ def _check_combinations(options: Options) -> None:
     if options.optimizer_in_backward and options.optimizer is None:
         raise OptpassError("optimizer_in_backward needs the optimizer: "
                            "options={'optimizer': opt, 'optimizer_in_backward': True}")
+    if options.clip_grad_norm is not None and (not options.optimizer_in_backward or options.clip_grad_norm <= 0):
+        raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward; without "
+                           "optimizer_in_backward call torch.nn.utils.clip_grad_norm_ in the step")
     if options.accumulation_steps < 1:
         raise OptpassError(f"accumulation_steps must be >= 1, got {options.accumulation_steps}")
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:

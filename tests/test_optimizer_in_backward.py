@@ -220,3 +220,27 @@ def test_gradient_bytes_live_at_the_peak_drop_to_one_gradient():
     # is an unfused update's temporaries; Inductor fuses those, bench/ measures that)
     left_before, left_after = report.memory_before.timeline[-1][1], report.memory_after.timeline[-1][1]
     assert left_before - left_after >= 0.9 * report.gradient_bytes
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_clip_grad_norm_option_matches_eager_clipping(lower):
+    max_norm = 0.05
+    twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
+
+    def eager_step(x, y):
+        loss = mlp_loss(twin.eager_model, x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(twin.eager_model.parameters(), max_norm)
+        twin.eager_opt.step()
+        twin.eager_opt.zero_grad()
+        return norm
+
+    step = fused(twin.compiled_model, twin.compiled_opt, lower=lower, clip_grad_norm=max_norm)
+    norms = []
+    for i in range(STEPS if lower == "eager" else 6):
+        x, y = mlp_data(i)
+        norms.append(eager_step(x, y).item())
+        step(x, y)
+        params, state = twin.diffs()
+        assert params <= TOL and state <= TOL, i
+    assert min(norms) > max_norm            # clipping was active at every step

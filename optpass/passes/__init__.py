@@ -5,6 +5,7 @@ and what it refuses in the module docstring. The pipeline, in order:
 
 | pass                  | file                     | on by default | changes numerics |
 |-----------------------|--------------------------|---------------|------------------|
+| clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
@@ -32,7 +33,7 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.passes import eliminate_dead_code, optimizer_in_backward
+from optpass.passes import clip_grad_norm_in_backward, eliminate_dead_code, optimizer_in_backward
 
 log = logging.getLogger("optpass")
 
@@ -47,6 +48,8 @@ class GraphPass:
 
 
 PASSES: tuple[GraphPass, ...] = (
+    # Global-norm clipping for fused updates: a norm-only backward first (opt-in).
+    GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
