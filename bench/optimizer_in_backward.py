@@ -253,6 +253,10 @@ def _spawn(args, variant: str) -> dict:
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.malloc_mmap_threshold is not None:
+        # glibc: a fixed threshold turns off the dynamic one; every buffer at least this big is
+        # mmap'ed and unmapped on free, so RSS follows the live tensors rather than the heap.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
         env.pop(var, None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
@@ -303,7 +307,9 @@ def run_parent(args) -> None:
     started = time.perf_counter()
     print(f"optimizer_in_backward memory/step time | MLP {args.layers} x Linear({args.width}, {args.width}), "
           f"batch {args.batch}, fp32 AdamW | threads {args.threads} | warmup {args.warmup} | "
-          f"steps {args.steps} | repeats {args.repeats} | variants {', '.join(variants)}", flush=True)
+          f"steps {args.steps} | repeats {args.repeats} | variants {', '.join(variants)} | MALLOC_MMAP_THRESHOLD_ "
+          f"{args.malloc_mmap_threshold if args.malloc_mmap_threshold is not None else '(glibc default)'}",
+          flush=True)
 
     runs = {v: [] for v in variants}
     for rep in range(args.repeats):
@@ -325,6 +331,7 @@ def run_parent(args) -> None:
         summary[v] = {
             "vm_hwm_mb": _mb(_med([r["vm_hwm_kib"] for r in rs])),
             "vm_rss_mb": _mb(_med([r["vm_rss_kib"] for r in rs])),
+            "rss_at_start_mb": _mb(_med([r["rss_at_start_kib"] for r in rs])),
             "rss_before_steps_mb": _mb(_med([r["rss_before_steps_kib"] for r in rs])),
             "ru_maxrss_mb": _mb(_med([r["ru_maxrss_kib"] for r in rs])),
             "median_step_ms": _med([r["median_step_s"] for r in rs]) * 1e3,
@@ -337,13 +344,14 @@ def run_parent(args) -> None:
     print(f"parameters {n_params:,} | parameter bytes {first['param_bytes'] / _MB:.1f} MB | "
           f"gradient bytes (4 x params) {grad_bytes / _MB:.1f} MB | "
           f"AdamW state {first['optimizer_state_bytes'] / _MB:.1f} MB   (MB = 1e6 bytes; medians of {args.repeats})")
-    header = (f"{'variant':13s} {'VmHWM steady':>13s} {'VmRSS end':>10s} {'RSS pre-steps':>14s} "
+    header = (f"{'variant':13s} {'VmHWM steady':>13s} {'VmRSS end':>10s} {'RSS pre-steps':>14s} {'RSS at start':>13s} "
               f"{'ru_maxrss':>10s} {'step ms':>9s} {'grads left':>10s} {'final loss':>11s}")
     print(header)
     print("-" * len(header))
     for v in variants:
         s = summary[v]
         print(f"{v:13s} {s['vm_hwm_mb']:10.1f} MB {s['vm_rss_mb']:7.1f} MB {s['rss_before_steps_mb']:11.1f} MB "
+              f"{s['rss_at_start_mb']:10.1f} MB "
               f"{s['ru_maxrss_mb']:7.1f} MB {s['median_step_ms']:9.1f} {s['grads_not_none_after_steps']:10d} "
               f"{s['final_loss']:11.6f}")
 
@@ -410,6 +418,7 @@ def run_parent(args) -> None:
     out = {
         "config": {"layers": args.layers, "width": args.width, "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
+                   "malloc_mmap_threshold": args.malloc_mmap_threshold,
                    "variants": list(variants)},
         "n_params": n_params,
         "gradient_bytes": grad_bytes,
@@ -440,6 +449,9 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(ALL_VARIANTS)}")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 x Linear(1024, 1024), 1 repeat, 3 steps")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="set glibc's MALLOC_MMAP_THRESHOLD_ in the children (e.g. 131072: freed tensor "
+                        "buffers go back to the OS, so RSS tracks live tensors; default: glibc's dynamic one)")
     p.add_argument("--json", help="write all results to this file")
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -179,8 +179,10 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
         if name not in param_ph or name not in grad_ph:
             raise OptpassError(f"optimizer_in_backward: no update for parameter {name!r} was found in "
                                "the optimizer's step (is it in this optimizer's param_groups?).")
-        own = {param_ph[name], grad_ph[name], *state_ph.get(name, {}).values()}
-        own_writes = {p: writes[p] for p in own if p in writes}
+        states = [state_ph.get(name, {})[key] for key in sorted(state_ph.get(name, {}))]
+        own = {param_ph[name], grad_ph[name], *states}
+        # a fixed order (state, then the parameter) keeps the rewritten graph stable run to run
+        own_writes = {p: writes[p] for p in [*states, param_ph[name]] if p in writes}
         nodes = _ancestors(list(own_writes.values()))
         foreign = {n for n in nodes if n.op == "placeholder"} - own - set(lr_ph.values())
         if foreign:

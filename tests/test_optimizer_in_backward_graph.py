@@ -57,8 +57,8 @@ class TestOptimizerInBackwardGraph(TestCase):
 +neg_1 = aten.neg(in6)
 +fma_1 = prims.fma(add_1, neg_1, clone_1)
 +copy_1 = aten.copy(clone_1, fma_1)
-+copy__2 = aten.copy_(in3, copy_1)
-+copy__3 = aten.copy_(in9, add_1)
++copy__2 = aten.copy_(in9, add_1)
++copy__3 = aten.copy_(in3, copy_1)
  detach_1 = aten.detach(detach_0)
 @@ -35,12 +51,20 @@
  view_1 = aten.view(sum_1, [4])
