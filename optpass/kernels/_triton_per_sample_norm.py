@@ -145,7 +145,8 @@ def _block(dim: int, preferred: int) -> int:
 
 def _prepare(x: torch.Tensor, g: torch.Tensor):
     if x.dim() != g.dim() or x.dim() not in (2, 3):
-        raise ValueError(f"x and g must both be [B, in]/[B, out] or [B, T, in]/[B, T, out]; got {tuple(x.shape)} and {tuple(g.shape)}")
+        raise ValueError("x and g must both be [B, in]/[B, out] or [B, T, in]/[B, T, out]; "
+                         f"got {tuple(x.shape)} and {tuple(g.shape)}")
     if x.dim() == 2:
         x, g = x.unsqueeze(1), g.unsqueeze(1)
     if x.shape[:2] != g.shape[:2]:

@@ -19,12 +19,18 @@ Two ways to get n_i (DESIGN fact 18):
 
 API:
   torch.ops.optpass.per_sample_grad_sq_norm(x, g, method="auto") -> [B]
-      fp32 (bf16/fp16/fp32 inputs; fp64 inputs give fp64, on CUDA via torch).
-      x [B, T, in] / [B, in], g [B, T, out] / [B, out]. An opaque custom op:
-      Inductor sees one node. CPU (and any non-CUDA device): plain torch in
-      fp32, chunked so at most ``CPU_CHUNK_BYTES`` of temporaries live at once.
-      CUDA: the Triton kernels of ``_triton_per_sample_norm.py``. Fake kernel
-      for tracing; autograd through ``optpass::per_sample_grad_sq_norm_backward``.
+      x [B, T, in] / [B, in], g [B, T, out] / [B, out] (2-D means T = 1).
+      Result fp32 for fp32/bf16/fp16 inputs (computed in fp32); fp64 inputs
+      give fp64 (computed in fp64, with torch also on CUDA). An opaque custom
+      op: Inductor sees one node.
+      - CPU (and any non-CUDA device): plain torch, chunked over the batch so
+        at most ``CPU_CHUNK_BYTES`` of temporaries live at once; when one
+        sample does not fit, it runs in row blocks (of G^T X for direct, of
+        the Grams for ghost). The floor is one sample's inputs in fp32.
+      - CUDA: the Triton kernels of ``_triton_per_sample_norm.py``.
+      - fake kernel for tracing; autograd through
+        ``optpass::per_sample_grad_sq_norm_backward`` (plain torch, chunked
+        over the batch only: a chunk holds one sample's [out, in] or 2 [T, T]).
   choose_norm_method(T, in_features, out_features) -> "direct" | "ghost"
   per_sample_clipped_weight_grad(x, g, coef) -> [out, in]  (book-keeping: one GEMM)
   triton_per_sample_grad_sq_norm(x, g, method) — the Triton kernels on the
@@ -74,7 +80,8 @@ def _as_3d(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
             f"per_sample_grad_sq_norm: x and g must both be [B, in]/[B, out] or [B, T, in]/[B, T, out]; "
             f"got {tuple(x.shape)} and {tuple(g.shape)}")
     if x.shape[:-1] != g.shape[:-1]:
-        raise ValueError(f"per_sample_grad_sq_norm: x {tuple(x.shape)} and g {tuple(g.shape)} disagree on batch or sequence length")
+        raise ValueError(f"per_sample_grad_sq_norm: x {tuple(x.shape)} and g {tuple(g.shape)} "
+                         "disagree on batch or sequence length")
     if x.dim() == 2:
         return x.unsqueeze(1), g.unsqueeze(1)
     return x, g
@@ -92,7 +99,7 @@ def _budget_rows(total_rows: int, bytes_per_row: int, fixed_bytes: int) -> int:
 
 
 # ----------------------------------------------------------------------------
-# plain-torch path (CPU and any device without Triton), fp32, memory-bounded
+# plain-torch path (CPU and any device without Triton): fp32 (fp64), memory-bounded
 # ----------------------------------------------------------------------------
 
 def _direct_chunk(x: Tensor, g: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
@@ -163,7 +170,7 @@ def _torch_sq_norm_backward(grad: Tensor, x: Tensor, g: Tensor, method: str) -> 
     size = _compute_dtype(x, g).itemsize
     inputs = 2 * size * T * (IN + OUT)  # inputs and results in the compute dtype
     per_sample = inputs + size * (OUT * IN if method == "direct" else 2 * T * T)
-    chunk = max(1, CPU_CHUNK_BYTES // per_sample)
+    chunk = max(1, CPU_CHUNK_BYTES // max(per_sample, 1))
     for s in range(0, B, chunk):
         grad_x[s:s + chunk], grad_g[s:s + chunk] = _backward_chunk(grad[s:s + chunk], x3[s:s + chunk], g3[s:s + chunk], method)
     return grad_x.view(x.shape), grad_g.view(g.shape)
@@ -175,7 +182,10 @@ def _torch_sq_norm_backward(grad: Tensor, x: Tensor, g: Tensor, method: str) -> 
 
 @torch.library.custom_op("optpass::per_sample_grad_sq_norm", mutates_args=())
 def per_sample_grad_sq_norm(x: Tensor, g: Tensor, method: str = "auto") -> Tensor:
-    """[B] (fp32; fp64 for fp64 inputs): ||G_i^T X_i||_F^2 per sample. Default kernel (CPU and every non-CUDA device): plain torch."""
+    """[B] ||G_i^T X_i||_F^2 per sample (fp32; fp64 for fp64 inputs).
+
+    This body is the kernel for CPU and every non-CUDA device: plain torch, memory-bounded.
+    """
     return _torch_sq_norm(x, g, method)
 
 
