@@ -18,9 +18,10 @@ Measurements
 ------------
 1. **Compile time, cold.** Each variant runs in a fresh subprocess with its own
    empty ``TORCHINDUCTOR_CACHE_DIR`` (no FX-graph / AOTAutograd cache hits).
-   The first calls compile: call 1 compiles the step graph and the update graph
-   that creates the optimizer state, call 2 the steady update graph, call 3 is
-   warm. *compile time* = wall time of the first ``--warmup`` (3) calls minus
+   The first call compiles everything: the step graph (forward + backward) and
+   the update graph (``opt.step()``, which also creates the AdamW state; with a
+   tensor lr it does not recompile on call 2, as one might expect; the child
+   fails if any graph compiles after the warmup calls). *compile time* = wall time of the first ``--warmup`` (3) calls minus
    ``--warmup`` x that subprocess's median steady-state step time; the raw wall
    time of those calls is reported too. Subprocesses alternate
    inductor/optpass order, ``--repeats`` times each; the median is reported.
@@ -289,6 +290,7 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
            "--rounds", str(args.rounds), "--block", str(args.block)]
     if profile_out:
         cmd += ["--profile-out", profile_out]
+    waited = _wait_until_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
     cpu_before, ours_before = _cpu_busy_s(), _children_cpu_s()
     t0 = time.perf_counter()
     try:
@@ -304,6 +306,7 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
                          f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["process_wall_s"] = wall
+    result["waited_for_idle_s"] = round(waited, 1)
     cpu_after, ours_after = _cpu_busy_s(), _children_cpu_s()
     # CPU time of the child and the compile workers it reaped: less sensitive to other load than wall time.
     result["process_cpu_s"] = round(ours_after - ours_before, 3)
@@ -327,6 +330,19 @@ def _cpu_busy_s() -> float | None:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_until_idle(max_wait_s: float, window_s: float = 2.0, threshold_cores: float = 0.25) -> float:
+    """Between children nothing of ours runs: wait (up to max_wait_s) until the machine's CPUs are idle."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s:
+        before = _cpu_busy_s()
+        if before is None:
+            break
+        time.sleep(window_s)
+        if (_cpu_busy_s() - before) / window_s < threshold_cores:
+            break
+    return time.perf_counter() - t0
 
 
 def _children_cpu_s() -> float:
@@ -384,7 +400,8 @@ def run_parent(args) -> None:
                 print(f"  cold {variant:8s} rep {rep}: compile {r['compile_s']:7.2f} s "
                       f"(first {args.warmup} calls {', '.join(f'{c:.2f}' for c in r['warmup_call_s'])} s), "
                       f"steady {r['steady_median_s'] * 1e3:.2f} ms/step, graphs {r['graphs']}, "
-                      f"process {r['process_wall_s']:.1f} s, other load {r.get('other_processes_cores')} cores",
+                      f"process {r['process_wall_s']:.1f} s, other load {r.get('other_processes_cores')} cores "
+                      f"(waited {r['waited_for_idle_s']:.0f} s for idle)",
                       flush=True)
 
         interleaved = None
@@ -448,7 +465,7 @@ def run_parent(args) -> None:
     row(f"  wall time of first {args.warmup} calls", "warmup_wall_s", unit=" [s]")
     row("  call 1 (step + update/init graphs)", "first_call_s", unit=" [s]")
     if args.warmup > 1:
-        row("  call 2 (steady update graph)", "second_call_s", unit=" [s]")
+        row("  call 2", "second_call_s", unit=" [s]")
     row("step, separate processes (median)", "steady_cold_process_s", 1e3, " [ms]")
     if interleaved:
         row("step, interleaved (median of blocks)", "steady_interleaved_s", 1e3, " [ms]")
@@ -527,7 +544,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="timed steady steps per cold subprocess (default 30; --quick 10)")
     p.add_argument("--warmup", type=int, default=3,
-                   help="calls counted as compile (default 3: step+init update, steady update, warm)")
+                   help="first calls counted as compile (default 3; on torch 2.13 call 1 compiles both graphs)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved rounds; 0 skips the interleaved run (default 10; --quick 4)")
     p.add_argument("--block", type=int, default=5, help="steps per interleaved block (default 5)")
@@ -535,6 +552,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", metavar="PATH", help="write all raw numbers here (default: print one 'JSON:' line)")
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each cold child's compile calls into DIR/<variant>_<rep>.prof")
+    p.add_argument("--idle-wait", type=float, default=60,
+                   help="before each child, wait up to this many seconds for other processes to leave "
+                        "the CPUs idle (shared machines; 0: don't wait; default 60)")
     p.add_argument("--child-timeout", type=int, default=900, help="seconds before a child is killed")
     p.add_argument("--child", choices=(*VARIANTS, "interleaved"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

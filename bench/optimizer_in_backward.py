@@ -189,6 +189,7 @@ def run_child(args) -> None:
     gc.collect()
     rss_before_kib = _proc_status_kib("VmRSS")
     reset_ok = _reset_peak_rss()
+    machine_before, self_before, wall_before = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
     times = []
     for i in range(args.steps):
         x, y = data[(args.warmup + i) % len(data)]
@@ -198,6 +199,13 @@ def run_child(args) -> None:
         losses.append(float(out))
     vm_hwm_kib = _proc_status_kib("VmHWM")
     vm_rss_kib = _proc_status_kib("VmRSS")
+    machine_after, self_after, wall_after = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
+    other_cores = None
+    if machine_before is not None and machine_after is not None:
+        # CPUs kept busy by other processes while the measured steps ran (OpenMP threads that
+        # share the cores with another process make steps several times slower)
+        other_cores = round(max(0.0, (machine_after - machine_before) - (self_after - self_before))
+                            / (wall_after - wall_before), 2)
     if _graph_count(torch) != graphs:
         raise SystemExit(f"{variant}: {_graph_count(torch) - graphs} graph(s) compiled during the measured "
                          "steps (raise --warmup, or the step recompiles)")
@@ -221,6 +229,8 @@ def run_child(args) -> None:
         "warmup_call_s": warmup_s,
         "step_times_s": times,
         "median_step_s": statistics.median(times),
+        "min_step_s": min(times),
+        "other_cores_during_steps": other_cores,
         "losses": losses,
         "graphs": graphs,
         "num_threads": torch.get_num_threads(),
@@ -239,6 +249,13 @@ def _cpu_busy_s() -> float | None:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _children_cpu_s() -> float:
@@ -318,9 +335,10 @@ def run_parent(args) -> None:
             runs[variant].append(r)
             print(f"  {variant:13s} rep {rep}: VmHWM {_mb(r['vm_hwm_kib']):8.1f} MB, "
                   f"VmRSS {_mb(r['vm_rss_kib']):8.1f} MB, ru_maxrss {_mb(r['ru_maxrss_kib']):8.1f} MB, "
-                  f"step {r['median_step_s'] * 1e3:8.1f} ms, warmup calls "
+                  f"step {r['median_step_s'] * 1e3:7.1f} ms (min {r['min_step_s'] * 1e3:.1f}), warmup calls "
                   f"{', '.join(f'{c:.1f}' for c in r['warmup_call_s'])} s, process {r['process_wall_s']:.0f} s, "
-                  f"other load {r.get('other_processes_cores')} cores", flush=True)
+                  f"other load {r.get('other_processes_cores')} cores ({r.get('other_cores_during_steps')} "
+                  "during the measured steps)", flush=True)
 
     first = runs[variants[0]][0]
     n_params = first["n_params"]
@@ -331,10 +349,12 @@ def run_parent(args) -> None:
         summary[v] = {
             "vm_hwm_mb": _mb(_med([r["vm_hwm_kib"] for r in rs])),
             "vm_rss_mb": _mb(_med([r["vm_rss_kib"] for r in rs])),
+            "step_peak_above_rest_mb": _mb(_med([r["vm_hwm_kib"] - r["rss_before_steps_kib"] for r in rs])),
             "rss_at_start_mb": _mb(_med([r["rss_at_start_kib"] for r in rs])),
             "rss_before_steps_mb": _mb(_med([r["rss_before_steps_kib"] for r in rs])),
             "ru_maxrss_mb": _mb(_med([r["ru_maxrss_kib"] for r in rs])),
             "median_step_ms": _med([r["median_step_s"] for r in rs]) * 1e3,
+            "min_step_ms": min(r["min_step_s"] for r in rs) * 1e3,
             "grads_not_none_after_steps": max(r["grads_not_none_after_steps"] for r in rs),
             "optimizer_state_mb": rs[0]["optimizer_state_bytes"] / _MB,
             "final_loss": rs[0]["losses"][-1],
@@ -344,15 +364,18 @@ def run_parent(args) -> None:
     print(f"parameters {n_params:,} | parameter bytes {first['param_bytes'] / _MB:.1f} MB | "
           f"gradient bytes (4 x params) {grad_bytes / _MB:.1f} MB | "
           f"AdamW state {first['optimizer_state_bytes'] / _MB:.1f} MB   (MB = 1e6 bytes; medians of {args.repeats})")
-    header = (f"{'variant':13s} {'VmHWM steady':>13s} {'VmRSS end':>10s} {'RSS pre-steps':>14s} {'RSS at start':>13s} "
-              f"{'ru_maxrss':>10s} {'step ms':>9s} {'grads left':>10s} {'final loss':>11s}")
+    header = (f"{'variant':13s} {'VmHWM steady':>13s} {'VmRSS end':>10s} {'RSS pre-steps':>14s} "
+              f"{'HWM-pre':>10s} {'RSS at start':>13s} "
+              f"{'ru_maxrss':>10s} {'step ms':>9s} {'min ms':>8s} {'grads left':>10s} {'final loss':>11s}")
     print(header)
     print("-" * len(header))
     for v in variants:
         s = summary[v]
         print(f"{v:13s} {s['vm_hwm_mb']:10.1f} MB {s['vm_rss_mb']:7.1f} MB {s['rss_before_steps_mb']:11.1f} MB "
+              f"{s['step_peak_above_rest_mb']:7.1f} MB "
               f"{s['rss_at_start_mb']:10.1f} MB "
-              f"{s['ru_maxrss_mb']:7.1f} MB {s['median_step_ms']:9.1f} {s['grads_not_none_after_steps']:10d} "
+              f"{s['ru_maxrss_mb']:7.1f} MB {s['median_step_ms']:9.1f} {s['min_step_ms']:8.1f} "
+              f"{s['grads_not_none_after_steps']:10d} "
               f"{s['final_loss']:11.6f}")
 
     ratios = {}
@@ -367,12 +390,14 @@ def run_parent(args) -> None:
             step_ratio = o["median_step_ms"] / b["median_step_ms"]
             ratios[f"memory_saved_vs_{base}_fraction_of_gradients"] = saved
             ratios[f"step_time_optpass_over_{base}"] = step_ratio
+            ratios[f"min_step_time_optpass_over_{base}"] = o["min_step_ms"] / b["min_step_ms"]
             goal = ""
             if base == "inductor":
                 goal = (f"  [memory goal >= {MEMORY_GOAL:.2f}: {'met' if saved >= MEMORY_GOAL else 'NOT met'}; "
                         f"time goal <= {STEP_GOAL:.2f}: {'met' if step_ratio <= STEP_GOAL else 'NOT met'}]")
             print(f"optpass vs {base:8s}: VmHWM saved {(b['vm_hwm_mb'] - o['vm_hwm_mb']):8.1f} MB = "
-                  f"{saved:.3f} x gradient bytes; step time ratio {step_ratio:.3f}{goal}")
+                  f"{saved:.3f} x gradient bytes; step time ratio {step_ratio:.3f} (of the minima "
+                  f"{o['min_step_ms'] / b['min_step_ms']:.3f}){goal}")
         if "optpass-eager" in summary and "eager" in summary:
             e = summary["optpass-eager"]
             saved = (summary["eager"]["vm_hwm_mb"] - e["vm_hwm_mb"]) * _MB / grad_bytes
@@ -405,11 +430,11 @@ def run_parent(args) -> None:
                          ".grad after the steps (expected none)")
     if not all(r["peak_reset"] for rs in runs.values() for r in rs):
         notes.append("WARNING: /proc/self/clear_refs could not reset VmHWM: VmHWM includes the compile")
-    others = [r.get("other_processes_cores") for rs in runs.values() for r in rs]
+    others = [r.get("other_cores_during_steps") for rs in runs.values() for r in rs]
     others = [o for o in others if o is not None]
     if others and max(others) > 0.25:
-        notes.append(f"WARNING: other processes kept up to {max(others):.2f} CPUs busy during a child run: "
-                     "step times are noisy")
+        notes.append(f"WARNING: other processes kept up to {max(others):.2f} CPUs busy during a child's measured "
+                     "steps: step times are noisy (compare the minima, or rerun on an idle machine)")
     for n in notes:
         print(n)
     elapsed = time.perf_counter() - started

@@ -46,6 +46,8 @@ class StepGraph:
     state_nodes: list[torch.fx.Node]
     # What the backend hands to passes for this compile (e.g. the harvested optimizer update).
     context: dict = dataclasses.field(default_factory=dict)
+    # What passes want a reader to know beyond applied/skipped (explain shows them).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def kind(self) -> GraphKind:

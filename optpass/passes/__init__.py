@@ -7,6 +7,7 @@ and what it refuses in the module docstring. The pipeline, in order:
 |-----------------------|--------------------------|---------------|------------------|
 | clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
+| per_sample_grad_norm  | per_sample_grad_norm.py  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
 ``legality.py`` is not in the list: it proves a requested rewrite legal on the
@@ -33,7 +34,8 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.passes import clip_grad_norm_in_backward, eliminate_dead_code, optimizer_in_backward
+from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, optimizer_in_backward,
+                            per_sample_grad_norm)
 
 log = logging.getLogger("optpass")
 
@@ -52,6 +54,9 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
+    # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
+    GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,
+              applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.OTHER)),
     # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
     GraphPass("eliminate_dead_code", eliminate_dead_code.run,
               applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.OTHER)),
@@ -65,6 +70,7 @@ class PassOutcome:
     reason: str | None
     ops_before: int
     ops_after: int
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def op_delta(self) -> int:
@@ -101,7 +107,8 @@ def run_pipeline(step, options) -> list[PassOutcome]:
         reason = graph_pass.run(step, options)
         after = count_ops(step.graph)
         status = "applied" if reason is None else "skipped"
-        outcome = PassOutcome(graph_pass.name, status, reason, before, after)
+        outcome = PassOutcome(graph_pass.name, status, reason, before, after, list(step.notes))
+        step.notes.clear()
         _trace_graph(f"optpass_after_{graph_pass.name}", step.graph)
         log.info("optpass %s graph %s: %s", step.kind.value, step.captured.compile_id, outcome)
         outcomes.append(outcome)

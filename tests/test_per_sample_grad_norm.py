@@ -1,0 +1,263 @@
+"""per_sample_grad_norm: DP-SGD written with torch.func runs without [B, out, in] tensors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+from torch.func import functional_call, grad, vmap
+
+import optpass
+from optpass.capture import GraphKind
+
+B, IN, HIDDEN, CLASSES = 6, 8, 16, 4
+MAX_GRAD_NORM, NOISE = 1.0, 0.5
+
+
+def make_dp_step(model, opt, return_per_sample=False):
+    """DP-SGD the plain way: per-sample gradients, clip each sample, add noise, step."""
+    def loss_of_params(params, x, y):
+        out = functional_call(model, params, (x.unsqueeze(0),))
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def clipped_noisy_gradients(x, y):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.reshape(B, -1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
+                      + NOISE * MAX_GRAD_NORM * torch.randn_like(p)) / B
+        return norms, per_sample
+
+    # What the step returns is taken before opt.step(): values alive across the optimizer's
+    # graph break become graph outputs, and an output per-sample gradient must be materialized.
+    if return_per_sample:
+        def dp_step(x, y):
+            norms, per_sample = clipped_noisy_gradients(x, y)
+            out = norms, per_sample["0.weight"]
+            opt.step()
+            opt.zero_grad()
+            return out
+    else:
+        def dp_step(x, y):
+            norms, _ = clipped_noisy_gradients(x, y)
+            opt.step()
+            opt.zero_grad()
+            return norms
+    return dp_step
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+
+def batch(step, tokens):
+    g = torch.Generator().manual_seed(step)
+    if tokens == 0:                                   # 2-D inputs: one "token" per sample
+        return torch.randn(B, IN, generator=g), torch.randint(0, CLASSES, (B,), generator=g)
+    return torch.randn(B, tokens, IN, generator=g), torch.randint(0, CLASSES, (B, tokens), generator=g)
+
+
+def twins():
+    torch.manual_seed(0)
+    model = mlp()
+    other = copy.deepcopy(model)
+    return (model, torch.optim.SGD(model.parameters(), lr=0.5)), (other, torch.optim.SGD(other.parameters(), lr=0.5))
+
+
+@pytest.mark.parametrize("tokens", [0, 5])
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_rewritten_dp_step_equals_the_original(lower, tokens):
+    (model, opt), (ref_model, ref_opt) = twins()
+    compiled = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": lower})
+    reference = make_dp_step(ref_model, ref_opt)
+    optpass.report.clear_reports()
+    # fallback_random: Inductor draws the noise with torch's generator, as eager does;
+    # keep_graphs: bypass the FX graph cache so the passes run (and report) here
+    with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():
+        for step in range(4 if lower == "inductor" else 8):
+            x, y = batch(step, tokens)
+            torch.manual_seed(100 + step)
+            norms = compiled(x, y)
+            torch.manual_seed(100 + step)
+            expected = reference(x, y)
+            torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(norms > MAX_GRAD_NORM, expected > MAX_GRAD_NORM)   # same samples clipped
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    outcomes = [p for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm"]
+    assert any(p.status == "applied" for p in outcomes)
+
+
+def per_sample_sized(graph, hidden=HIDDEN):
+    """Nodes whose value is a [B, out, in]-sized tensor of a Linear weight."""
+    sizes = {B * HIDDEN * IN, B * CLASSES * HIDDEN}
+    return [n.name for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].dim() >= 2 and n.meta["val"].numel() in sizes and n.meta["val"].shape[0] == B]
+
+
+@pytest.mark.parametrize("tokens", [0, 5])
+def test_no_per_sample_weight_gradient_remains_and_memory_drops(tokens):
+    (model, opt), _ = twins()
+    step = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        step(*batch(0, tokens))
+    report = next(r for r in optpass.recent_reports() if r.graph_after is not None and r.kind is GraphKind.OTHER)
+    assert per_sample_sized(report.graph_before)
+    assert per_sample_sized(report.graph_after) == []
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+    norm_ops = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
+    assert len(norm_ops) == 2                                   # one per Linear weight
+    assert sum(1 for n in report.graph_after.nodes if n.target is torch.ops.aten.mm.default) >= 2
+
+
+def test_a_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_why():
+    (model, opt), (ref_model, ref_opt) = twins()
+    compiled = torch.compile(make_dp_step(model, opt, return_per_sample=True), backend="optpass",
+                             options={"lower": "eager"})
+    optpass.report.clear_reports()
+    x, y = batch(0, 0)
+    torch.manual_seed(1)
+    norms, per_sample = compiled(x, y)
+    torch.manual_seed(1)
+    expected, expected_per_sample = make_dp_step(ref_model, ref_opt, return_per_sample=True)(x, y)
+    torch.testing.assert_close(per_sample, expected_per_sample)
+    torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+    outcome = next(p for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm")
+    notes = " ".join(outcome.notes) + (outcome.reason or "")
+    assert "also used by" in notes and f"[B={B}, {HIDDEN}, {IN}]" in notes
+    assert outcome.status == "applied"     # the other layer's weight was still rewritten
+
+
+def test_tied_weights_are_kept_exact():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(IN, HIDDEN)
+            self.mid = nn.Linear(HIDDEN, HIDDEN)
+            self.out = nn.Linear(HIDDEN, CLASSES)
+
+        def forward(self, x):
+            h = torch.relu(self.inp(x))
+            h = torch.relu(self.mid(h))
+            return self.out(torch.relu(self.mid(h)))     # the same weight used twice
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    compiled = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
+    reference = make_dp_step(ref, ref_opt)
+    for step in range(3):
+        x, y = batch(step, 0)
+        torch.manual_seed(step)
+        norms = compiled(x, y)
+        torch.manual_seed(step)
+        torch.testing.assert_close(norms, reference(x, y), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class TestPerSampleGradNormGraph(TestCase):
+    def test_graph_diff_norm_kernel_and_one_gemm(self):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(IN, CLASSES))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = torch.compile(make_dp_step(model, opt), backend="optpass",
+                             options={"lower": "eager", "passes": ["per_sample_grad_norm"]})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(*batch(0, 0))
+        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER)
+        diff = optpass.graph_diff(report.graph_before, report.graph_after, context=0)
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -52,3 +51,0 @@
+-bmm_0: f32[6, 4, 8] = aten.bmm(view_5, view_6)
+-view_7: f32[6, 4, 8] = aten.view(bmm_0, [6, 4, 8])
+-transpose_1: f32[6, 8, 4] = aten.transpose.int(view_7, 1, 2)
+@@ -56,4 +53,5 @@
+-view_8: f32[6, 4] = aten.view(sum_2, [6, 4])
+-transpose_2: f32[6, 4, 8] = aten.transpose.int(transpose_1, 1, 2)
+-view_9: f32[6, 32] = aten.view(transpose_2, [6, -1])
+-pow_0: f32[6, 32] = aten.pow.Tensor_Scalar(view_9, 2)
++view_7: f32[6, 4] = aten.view(sum_2, [6, 4])
++permute_0: f32[6, 1, 4] = aten.permute(view_5, [0, 2, 1])
++per_sample_grad_sq_norm_0: f32[6] = optpass.per_sample_grad_sq_norm(view_6, permute_0, 'auto')
++view_8: f32[6, 4] = aten.view(view_7, [6, -1])
++pow_0: f32[6, 4] = aten.pow.Tensor_Scalar(view_8, 2)
+@@ -61,6 +59,3 @@
+-view_10: f32[6, 4] = aten.view(view_8, [6, -1])
+-pow_1: f32[6, 4] = aten.pow.Tensor_Scalar(view_10, 2)
+-sum_4: f32[6] = aten.sum.dim_IntList(pow_1, [1])
+-stack_0: f32[2, 6] = aten.stack([sum_3, sum_4])
+-sum_5: f32[6] = aten.sum.dim_IntList(stack_0, [0])
+-sqrt_0: f32[6] = aten.sqrt(sum_5)
++stack_0: f32[2, 6] = aten.stack([per_sample_grad_sq_norm_0, sum_3])
++sum_4: f32[6] = aten.sum.dim_IntList(stack_0, [0])
++sqrt_0: f32[6] = aten.sqrt(sum_4)
+@@ -73,10 +68,17 @@
+-permute_0: f32[1, 1, 6] = aten.permute(unsqueeze_4, [1, 2, 0])
+-permute_1: f32[4, 8, 6] = aten.permute(transpose_2, [1, 2, 0])
+-permute_2: f32[6, 1, 1] = aten.permute(permute_0, [2, 0, 1])
+-view_11: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
+-permute_3: f32[6, 4, 8] = aten.permute(permute_1, [2, 0, 1])
+-view_12: f32[1, 6, 32] = aten.view(permute_3, [1, 6, 32])
+-bmm_1: f32[1, 1, 32] = aten.bmm(view_11, view_12)
+-view_13: f32[1, 4, 8] = aten.view(bmm_1, [1, 4, 8])
+-permute_4: f32[4, 8, 1] = aten.permute(view_13, [1, 2, 0])
+-view_14: f32[4, 8] = aten.view(permute_4, [4, 8])
++permute_1: f32[1, 1, 6] = aten.permute(unsqueeze_4, [1, 2, 0])
++permute_2: f32[6, 1, 1] = aten.permute(permute_1, [2, 0, 1])
++view_9: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
++clone_0: f32[1, 1, 6] = aten.clone(view_9)
++view_10: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
++permute_3: f32[6, 1, 4] = aten.permute(view_5, [0, 2, 1])
++mul_3: f32[6, 1, 4] = aten.mul.Tensor(permute_3, view_10)
++clone_1: f32[6, 1, 4] = aten.clone(mul_3)
++view_11: f32[6, 4] = aten.view(clone_1, [6, 4])
++clone_2: f32[6, 1, 8] = aten.clone(view_6)
++view_12: f32[6, 8] = aten.view(clone_2, [6, 8])
++permute_4: f32[4, 6] = aten.permute(view_11, [1, 0])
++mm_1: f32[4, 8] = aten.mm(permute_4, view_12)
++view_13: f32[1, 1, 32] = aten.view(mm_1, [1, 1, 32])
++view_14: f32[1, 4, 8] = aten.view(view_13, [1, 4, 8])
++permute_5: f32[4, 8, 1] = aten.permute(view_14, [1, 2, 0])
++view_15: f32[4, 8] = aten.view(permute_5, [4, 8])
+@@ -84,2 +86,2 @@
+-mul_3: f32[4, 8] = aten.mul.Tensor(randn_like_0, 0.5)
+-add_2: f32[4, 8] = aten.add.Tensor(view_14, mul_3)
++mul_4: f32[4, 8] = aten.mul.Tensor(randn_like_0, 0.5)
++add_2: f32[4, 8] = aten.add.Tensor(view_15, mul_4)
+@@ -88,10 +90,10 @@
+-permute_5: f32[1, 6] = aten.permute(unsqueeze_5, [1, 0])
+-permute_6: f32[4, 6] = aten.permute(view_8, [1, 0])
+-permute_7: f32[6, 1] = aten.permute(permute_5, [1, 0])
+-view_15: f32[1, 1, 6] = aten.view(permute_7, [1, 1, 6])
+-permute_8: f32[6, 4] = aten.permute(permute_6, [1, 0])
+-view_16: f32[1, 6, 4] = aten.view(permute_8, [1, 6, 4])
+-bmm_2: f32[1, 1, 4] = aten.bmm(view_15, view_16)
+-view_17: f32[1, 4] = aten.view(bmm_2, [1, 4])
+-permute_9: f32[4, 1] = aten.permute(view_17, [1, 0])
+-view_18: f32[4] = aten.view(permute_9, [4])
++permute_6: f32[1, 6] = aten.permute(unsqueeze_5, [1, 0])
++permute_7: f32[4, 6] = aten.permute(view_7, [1, 0])
++permute_8: f32[6, 1] = aten.permute(permute_6, [1, 0])
++view_16: f32[1, 1, 6] = aten.view(permute_8, [1, 1, 6])
++permute_9: f32[6, 4] = aten.permute(permute_7, [1, 0])
++view_17: f32[1, 6, 4] = aten.view(permute_9, [1, 6, 4])
++bmm_0: f32[1, 1, 4] = aten.bmm(view_16, view_17)
++view_18: f32[1, 4] = aten.view(bmm_0, [1, 4])
++permute_10: f32[4, 1] = aten.permute(view_18, [1, 0])
++view_19: f32[4] = aten.view(permute_10, [4])
+@@ -99,2 +101,2 @@
+-mul_4: f32[4] = aten.mul.Tensor(randn_like_1, 0.5)
+-add_3: f32[4] = aten.add.Tensor(view_18, mul_4)
++mul_5: f32[4] = aten.mul.Tensor(randn_like_1, 0.5)
++add_3: f32[4] = aten.add.Tensor(view_19, mul_5)""")
