@@ -6,7 +6,32 @@ import copy
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
+
+
+def make_step(model, opt, loss_fn, clip=None):
+    """The supported step shape: the returned value is taken before opt.step()."""
+    def train_step(x, y):
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def mlp_loss(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def mlp_data(step, dtype=None):
+    """Batch `step` of an MLP regression stream (optpass.models.MLP's default sizes)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 4, generator=g, dtype=dtype)
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

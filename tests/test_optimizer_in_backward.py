@@ -4,13 +4,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import optpass
 from optpass.capture import GraphKind
 from optpass.models import MLP, LMConfig, TinyLM, param_groups_no_decay
-from parity import Twin, max_rel_diff, optimizer_state_diff, param_diff, unique_graphs
+from parity import (Twin, make_step, max_rel_diff, mlp_data, mlp_loss, optimizer_state_diff, param_diff,
+                    unique_graphs)
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -27,26 +26,6 @@ OPTIMIZERS = {
     "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
     "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
 }
-
-
-def make_step(model, opt, loss_fn):
-    def train_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
-
-
-def mlp_loss(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
-def mlp_data(step):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
 def fused(model, opt, loss_fn=mlp_loss, lower="eager", **options):

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 import optpass
-import torch.nn.functional as F
 
 from optpass.models import MLP, LMConfig, TinyLM, param_groups_no_decay
-from parity import Twin, unique_graphs
+from parity import Twin, make_step, mlp_data, mlp_loss, unique_graphs
 
 STEPS = 20
 TOL = 1e-6
@@ -16,30 +15,8 @@ TOL = 1e-6
 pytestmark = pytest.mark.usefixtures("float64_default")
 
 
-def make_step(model, opt, loss_fn, clip=None, scheduler=None):
-    def train_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
-
-
-def mlp_loss(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
 def lm_loss(model, x, y):
     return model.loss(x, y)
-
-
-def mlp_data(step, dtype=torch.float64):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 4, generator=g, dtype=dtype)
 
 
 LM_CFG = LMConfig()
