@@ -99,6 +99,7 @@ def _describe(index: int, g: GraphReport) -> list[str]:
         lines.append(f"    legality: {g.legality}")
     for outcome in g.passes:
         lines.append(f"    pass {outcome}")
+        lines.extend(f"        note: {note}" for note in outcome.notes)
     if g.memory_before is not None:
         before, after = d["memory_before"], d["memory_after"]
         grads_before = before["bytes_by_tag_at_peak"].get("gradient", 0)
