@@ -216,13 +216,13 @@ class TestPerSampleGradNormGraph(TestCase):
 +permute_1: f32[1, 1, 6] = aten.permute(unsqueeze_4, [1, 2, 0])
 +permute_2: f32[6, 1, 1] = aten.permute(permute_1, [2, 0, 1])
 +view_9: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
-+clone_0: f32[1, 1, 6] = aten.clone(view_9)
++clone_0: f32[1, 1, 6] = aten.clone(view_9, memory_format=torch.contiguous_format)
 +view_10: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
 +permute_3: f32[6, 1, 4] = aten.permute(view_5, [0, 2, 1])
 +mul_3: f32[6, 1, 4] = aten.mul.Tensor(permute_3, view_10)
-+clone_1: f32[6, 1, 4] = aten.clone(mul_3)
++clone_1: f32[6, 1, 4] = aten.clone(mul_3, memory_format=torch.contiguous_format)
 +view_11: f32[6, 4] = aten.view(clone_1, [6, 4])
-+clone_2: f32[6, 1, 8] = aten.clone(view_6)
++clone_2: f32[6, 1, 8] = aten.clone(view_6, memory_format=torch.contiguous_format)
 +view_12: f32[6, 8] = aten.view(clone_2, [6, 8])
 +permute_4: f32[4, 6] = aten.permute(view_11, [1, 0])
 +mm_1: f32[4, 8] = aten.mm(permute_4, view_12)
@@ -261,3 +261,51 @@ class TestPerSampleGradNormGraph(TestCase):
 -add_3: f32[4] = aten.add.Tensor(view_18, mul_4)
 +mul_5: f32[4] = aten.mul.Tensor(randn_like_1, 0.5)
 +add_3: f32[4] = aten.add.Tensor(view_19, mul_5)""")
+
+
+def test_small_transformer_lm_per_sample_norms_match():
+    """Attention, LayerNorm, a tied embedding/head: Linear weights rewritten, the rest kept exact."""
+    from optpass.models import LMConfig, TinyLM
+
+    cfg = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8)
+    torch.manual_seed(0)
+    model = TinyLM(cfg)
+    ref = copy.deepcopy(model)
+    batch_size = 3
+
+    def make(model, opt):
+        def loss_of_params(params, x, y):
+            logits = functional_call(model, params, (x.unsqueeze(0),))
+            return F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
+
+        def clipped(x, y):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+            norms = torch.stack([g.reshape(batch_size, -1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+            coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+            for name, p in model.named_parameters():
+                p.grad = torch.einsum("b,b...->...", coef, per_sample[name]) / batch_size
+            return norms
+
+        def step(x, y):
+            norms = clipped(x, y)
+            opt.step()
+            opt.zero_grad()
+            return norms
+        return step
+
+    compiled = torch.compile(make(model, torch.optim.SGD(model.parameters(), lr=0.1)), backend="optpass",
+                             options={"lower": "eager"})
+    reference = make(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        for step in range(2):
+            tokens = torch.randint(0, cfg.vocab, (batch_size, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step))
+            torch.testing.assert_close(compiled(tokens[:, :-1], tokens[:, 1:]), reference(tokens[:, :-1], tokens[:, 1:]),
+                                       rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+    norm_ops = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
+    assert len(norm_ops) == 6          # wq, wk, wv, wo and the two MLP weights
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes

@@ -172,6 +172,9 @@ def _rewrite(graph: torch.fx.Graph, bmm: torch.fx.Node, fake_mode) -> str | None
         _set_fake_value(node, fake_mode)
         return node
 
+    def contiguous(node):
+        return emit(aten.clone.default, node, memory_format=torch.contiguous_format)
+
     for _, kind in uses:
         if kind[0] == "norm":
             total = kind[1]
@@ -185,14 +188,13 @@ def _rewrite(graph: torch.fx.Graph, bmm: torch.fx.Node, fake_mode) -> str | None
             _, result, coef, layout = kind
             with graph.inserting_before(result):
                 tokens = batch * _shape(x)[1]
-                c = emit(aten.view.default, emit(aten.clone.default, coef), [batch, 1, 1])
+                c = emit(aten.view.default, contiguous(coef), [batch, 1, 1])
                 g = emit(aten.permute.default, g_t, [0, 2, 1])                           # [B, T, out]
-                scaled = emit(aten.view.default, emit(aten.clone.default, emit(aten.mul.Tensor, g, c)),
-                              [tokens, out_features])
-                rows = emit(aten.view.default, emit(aten.clone.default, x), [tokens, in_features])
+                scaled = emit(aten.view.default, contiguous(emit(aten.mul.Tensor, g, c)), [tokens, out_features])
+                rows = emit(aten.view.default, contiguous(x), [tokens, in_features])
                 weight = emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)  # [out, in]
                 if layout == ("i", "o"):
-                    weight = emit(aten.clone.default, emit(aten.permute.default, weight, [1, 0]))
+                    weight = contiguous(emit(aten.permute.default, weight, [1, 0]))
                 new = emit(aten.view.default, weight, _shape(result))
             result.replace_all_uses_with(new)
     return None
