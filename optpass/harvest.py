@@ -94,6 +94,9 @@ def _record_update_graph(optimizer, role_of: dict[int, tuple]) -> tuple[torch.fx
 
     torch.compile(optimizer.step, backend=recorder)()
     graphs = [r for r in recorded if any(n.op == "call_function" for n in r[0].graph.nodes)]
+    # Dynamo keeps the backend (and so this list) alive for the life of the process: drop the
+    # example inputs (the zero gradients, a model's worth of memory) as soon as we have them.
+    recorded.clear()
     if len(graphs) != 1:
         raise OptpassError(
             f"optimizer_in_backward: {type(optimizer).__name__}.step() did not compile to exactly one "

@@ -223,3 +223,21 @@ def test_clip_grad_norm_option_matches_eager_clipping(lower):
         params, state = twin.diffs()
         assert params <= TOL and state <= TOL, i
     assert min(norms) > max_norm            # clipping was active at every step
+
+
+def test_harvest_keeps_no_gradient_memory_alive():
+    """Dynamo keeps a backend alive for the process: the harvest must not hold its zero gradients."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = MLP((64, 64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = fused(model, opt)
+    for i in range(3):
+        step(torch.randn(2, 64), torch.randn(2, 64))
+    gc.collect()
+    storages = {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
+                and o.device.type == "cpu" and o.shape == (64, 64)}
+    assert len(storages) == 2 * 3          # two weights: the parameter, exp_avg, exp_avg_sq each
