@@ -28,7 +28,18 @@ the child fails if a graph compiles during the measured steps), then resets the
 peak-RSS mark (``echo 5 > /proc/self/clear_refs``), runs ``--steps`` measured
 steps timed with ``time.perf_counter`` and reads ``VmHWM``/``VmRSS`` from
 ``/proc/self/status``. ``ru_maxrss`` (peak over the whole process, compile
-included) is reported too.
+included) is reported too, and ``HWM-pre``: VmHWM minus the RSS right before the
+measured steps, what the steps add on top of what stays resident.
+
+RSS is what glibc holds, not what tensors hold: with glibc's dynamic mmap
+threshold, ~32 MiB buffers (a 2896^2 fp32 weight's gradient is 33.5 MB) come from
+the heap after the first one is freed, and freed heap pages stay resident. So the
+warm-up's highest point (optpass: call 1 is an unfused step plus an eager
+``opt.step()``, all gradients alive) can stay in RSS and hide a smaller steady
+peak. Two opt-in knobs, applied to every variant alike:
+``--malloc-trim`` (``malloc_trim(0)`` after warm-up, before the peak reset) and
+``--malloc-mmap-threshold 131072`` (a fixed threshold: every buffer >= 128 KiB is
+mmap'ed and unmapped on free, so RSS follows the live tensors).
 
 The parent runs the variants interleaved, ``--repeats`` times (eager, inductor,
 optpass, eager, inductor, optpass, ...), takes medians, and prints:
@@ -42,9 +53,10 @@ optpass, eager, inductor, optpass, ...), takes medians, and prints:
 
 Usage::
 
-    python3 bench/optimizer_in_backward.py                 # default: 12 x 2896^2, batch 8 (~5-10 min)
+    python3 bench/optimizer_in_backward.py                 # default: 12 x 2896^2, batch 8 (~2 min idle, ~6 min busy)
     python3 bench/optimizer_in_backward.py --quick         # smoke run: 4 x 1024^2
     python3 bench/optimizer_in_backward.py --variants eager,inductor,optpass,optpass-eager
+    python3 bench/optimizer_in_backward.py --malloc-trim  # RSS without the heap pages warm-up freed
     python3 bench/optimizer_in_backward.py --json out.json
 
 The parent never imports torch.
@@ -88,6 +100,16 @@ def _reset_peak_rss() -> bool:
             f.write("5")
         return True
     except OSError:
+        return False
+
+
+def _malloc_trim() -> bool:
+    """glibc: give the free pages of the heap back to the OS (what warm-up freed stays in RSS otherwise)."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
         return False
 
 
@@ -187,6 +209,7 @@ def run_child(args) -> None:
     grads_after_warmup = sum(p.grad is not None for p in model.parameters())
 
     gc.collect()
+    trimmed = _malloc_trim() if args.malloc_trim else None
     rss_before_kib = _proc_status_kib("VmRSS")
     reset_ok = _reset_peak_rss()
     machine_before, self_before, wall_before = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
@@ -223,6 +246,7 @@ def run_child(args) -> None:
         "rss_at_start_kib": rss_start_kib,
         "rss_before_steps_kib": rss_before_kib,
         "peak_reset": reset_ok,
+        "malloc_trim": trimmed,
         "vm_hwm_kib": vm_hwm_kib,
         "vm_rss_kib": vm_rss_kib,
         "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
@@ -279,6 +303,8 @@ def _spawn(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
            "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    if args.malloc_trim:
+        cmd.append("--malloc-trim")
     cpu_before, ours_before = _cpu_busy_s(), _children_cpu_s()
     t0 = time.perf_counter()
     try:
@@ -325,7 +351,8 @@ def run_parent(args) -> None:
     print(f"optimizer_in_backward memory/step time | MLP {args.layers} x Linear({args.width}, {args.width}), "
           f"batch {args.batch}, fp32 AdamW | threads {args.threads} | warmup {args.warmup} | "
           f"steps {args.steps} | repeats {args.repeats} | variants {', '.join(variants)} | MALLOC_MMAP_THRESHOLD_ "
-          f"{args.malloc_mmap_threshold if args.malloc_mmap_threshold is not None else '(glibc default)'}",
+          f"{args.malloc_mmap_threshold if args.malloc_mmap_threshold is not None else '(glibc default)'}"
+          f"{' | malloc_trim after warm-up' if args.malloc_trim else ''}",
           flush=True)
 
     runs = {v: [] for v in variants}
@@ -443,7 +470,7 @@ def run_parent(args) -> None:
     out = {
         "config": {"layers": args.layers, "width": args.width, "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
-                   "malloc_mmap_threshold": args.malloc_mmap_threshold,
+                   "malloc_mmap_threshold": args.malloc_mmap_threshold, "malloc_trim": args.malloc_trim,
                    "variants": list(variants)},
         "n_params": n_params,
         "gradient_bytes": grad_bytes,
@@ -477,6 +504,9 @@ def main(argv=None) -> None:
     p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="set glibc's MALLOC_MMAP_THRESHOLD_ in the children (e.g. 131072: freed tensor "
                         "buffers go back to the OS, so RSS tracks live tensors; default: glibc's dynamic one)")
+    p.add_argument("--malloc-trim", action="store_true",
+                   help="call glibc malloc_trim(0) after warm-up, before resetting the peak mark (the heap's "
+                        "free pages left by warm-up and compile stop counting as RSS)")
     p.add_argument("--json", help="write all results to this file")
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--child", help=argparse.SUPPRESS)

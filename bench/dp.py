@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""DP-SGD on CPU: step time and peak memory of optpass vs Inductor vs Opacus.
+
+One training step of a small transformer LM (``TinyLM``-like: d_model 256, 4 layers,
+4 heads, vocab 256), batch B = 16, sequence length T in {16, 128, 512}, SGD.
+
+Model: Opacus computes per-sample gradients module by module, and supports neither
+a bare ``nn.Parameter`` (TinyLM's ``pos``: the whole TinyLM would fall back to
+functorch) nor tied weights (TinyLM's head is tied to the embedding: ghost clipping
+would treat the two uses as two independent layers and get the norm wrong). So every
+variant here uses ``DPLM``, the same network with the positions as an
+``nn.Embedding`` (indexed with a [B, T] arange) and an untied head.
+
+Variants (each in a FRESH subprocess: this script re-invoked with ``--child VARIANT``):
+
+* ``nonprivate``  -- ``loss.backward(); opt.step(); opt.zero_grad()``, compiled with
+  ``backend="inductor"`` (no clipping, no noise: the reference);
+* ``vmap-inductor`` -- DP-SGD written with ``torch.func``: ``vmap(grad(loss))`` per-sample
+  gradients, per-sample norms, clip coefficients, ``einsum("b,b...->...")`` clipped sum
+  + Gaussian noise, ``opt.step()``; compiled with ``backend="inductor"``;
+* ``vmap-optpass``  -- the same step compiled with ``backend="optpass"`` (default lowering,
+  Inductor): the ``per_sample_grad_norm`` pass replaces each Linear weight's
+  [B, out, in] per-sample gradient by ``optpass::per_sample_grad_sq_norm`` + one GEMM;
+* ``opacus-hooks`` -- ``opacus.GradSampleModule`` (hooks materialize every per-sample
+  gradient) + ``opacus.optimizers.DPOptimizer`` (clip, noise, step), eager;
+* ``opacus-ghost`` -- ``GradSampleModuleFastGradientClipping(use_ghost_clipping=True)``
+  + ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (ghost norms,
+  then a second backward with the clipping coefficients), eager.
+
+All DP variants use the same clipping norm C and noise multiplier, per-sample loss =
+mean over the sample's tokens, update = (sum of clipped per-sample gradients + noise) / B.
+
+Every child imports optpass (same Dynamo config everywhere), sets
+``torch.set_num_threads(--threads)``, gets its own empty ``TORCHINDUCTOR_CACHE_DIR``,
+runs ``--warmup`` steps (compiles happen there), resets the peak-RSS mark
+(``echo 5 > /proc/self/clear_refs``), runs ``--steps`` measured steps and reads
+``VmHWM`` from ``/proc/self/status``: the steady-state peak RSS of the process (the "x mem" ratio uses it;
+it includes ~0.5 GB of torch/optpass/opacus code and compiled kernels, so small-T ratios
+sit near 1). ``HWM-pre`` = VmHWM minus the RSS right before the measured steps: what the
+steps themselves add on top of what stays resident. By
+default every child runs with ``MALLOC_MMAP_THRESHOLD_=131072`` so that buffers
+>= 128 KiB are unmapped on free and RSS follows the live tensors
+(``--malloc-mmap-threshold 0`` to keep glibc's default). ``ru_maxrss`` (peak over the
+whole process, compile included) is reported too. A child past ``--timeout`` seconds
+is killed and reported as "timeout".
+
+Usage::
+
+    python3 bench/dp.py                    # T = 16, 128, 512 (slow on 2 CPU cores)
+    python3 bench/dp.py --T 16,128
+    python3 bench/dp.py --quick            # smaller model, fewer steps, T = 16,64
+    python3 bench/dp.py --json out.json
+
+Goals (per T): optpass step time <= 1.3x and steady peak memory <= 1.1x non-private;
+optpass the best (fastest and smallest) DP variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ["nonprivate", "vmap-inductor", "vmap-optpass", "opacus-hooks", "opacus-ghost"]
+DP_VARIANTS = VARIANTS[1:]
+MAX_GRAD_NORM, NOISE, LR = 1.0, 1.0, 0.05
+
+
+# ----------------------------------------------------------------------------- child side
+
+def build_model(args):
+    import torch
+    import torch.nn as nn
+
+    from optpass.models import LMConfig, TinyLM
+
+    class DPLM(TinyLM):
+        """TinyLM that Opacus supports: positions as nn.Embedding, untied head."""
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            del self.pos
+            self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+            nn.init.normal_(self.pos.weight, std=0.02)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)   # untied
+
+        def forward(self, tokens):
+            b, t = tokens.shape
+            positions = torch.arange(t, device=tokens.device).expand(b, t).contiguous()
+            x = self.embed(tokens) + self.pos(positions)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(self.norm(x))
+
+    cfg = LMConfig(vocab=args.vocab, d_model=args.d_model, n_heads=args.n_heads,
+                   n_layers=args.n_layers, seq_len=args.t)
+    torch.manual_seed(0)
+    return DPLM(cfg), cfg
+
+
+def make_nonprivate_step(model, opt, vocab):
+    import torch.nn.functional as F
+
+    def step(x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return step
+
+
+def make_vmap_dp_step(model, opt, vocab, batch):
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    def loss_of_params(params, x, y):
+        logits = functional_call(model, params, (x.unsqueeze(0),))
+        return F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+
+    def clipped_noisy_gradients(x, y):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.reshape(batch, -1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
+                      + NOISE * MAX_GRAD_NORM * torch.randn_like(p)) / batch
+        return norms
+
+    # norms are computed before opt.step() and per_sample is not referenced after it:
+    # values alive across the optimizer's graph break would become graph outputs.
+    def dp_step(x, y):
+        norms = clipped_noisy_gradients(x, y)
+        opt.step()
+        opt.zero_grad()
+        return norms
+    return dp_step
+
+
+def read_status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM", "VmRSS")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def child(args) -> None:
+    import torch
+    import torch.nn as nn
+
+    import optpass
+
+    torch.set_num_threads(args.threads)
+    model, cfg = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, cfg.vocab, (args.batch, args.t + 1), generator=g) for _ in range(4)]
+    batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    info: dict = {"variant": args.child, "T": args.t, "params": n_params}
+    variant = args.child
+
+    if variant == "nonprivate":
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        step = torch.compile(make_nonprivate_step(model, opt, cfg.vocab), backend="inductor")
+    elif variant in ("vmap-inductor", "vmap-optpass"):
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        backend = "inductor" if variant == "vmap-inductor" else "optpass"
+        step = torch.compile(make_vmap_dp_step(model, opt, cfg.vocab, args.batch), backend=backend)
+    elif variant == "opacus-hooks":
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        gsm = GradSampleModule(model, loss_reduction="mean")
+        opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=LR), noise_multiplier=NOISE,
+                          max_grad_norm=MAX_GRAD_NORM, expected_batch_size=args.batch, loss_reduction="mean")
+        criterion = nn.CrossEntropyLoss()
+
+        def step(x, y):
+            loss = criterion(gsm(x).reshape(-1, cfg.vocab), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+    elif variant == "opacus-ghost":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True,
+                                                   loss_reduction="mean")
+        opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=LR), noise_multiplier=NOISE,
+                                              max_grad_norm=MAX_GRAD_NORM, expected_batch_size=args.batch,
+                                              loss_reduction="mean")
+        criterion = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss(), loss_reduction="mean")
+
+        def step(x, y):
+            logits = gsm(x)
+            loss = criterion(logits.reshape(-1, cfg.vocab), y.reshape(-1), shape=logits.shape)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+    else:
+        raise SystemExit(f"unknown variant {variant}")
+
+    if variant == "vmap-optpass":
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(*batches[0])
+        applied, norm_ops, est = [], 0, None
+        for r in optpass.recent_reports():
+            for p in r.passes:
+                if p.name == "per_sample_grad_norm":
+                    applied.append(p.status)
+            if r.graph_after is not None:
+                norm_ops += sum(1 for n in r.graph_after.nodes
+                                if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default)
+            if r.memory_before is not None and r.memory_after is not None and est is None and norm_ops:
+                est = (r.memory_before.peak_bytes, r.memory_after.peak_bytes)
+        info.update(pass_status=applied, norm_ops=norm_ops, est_peak_before=est and est[0],
+                    est_peak_after=est and est[1])
+        warmup = args.warmup - 1
+    else:
+        warmup = args.warmup
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+
+    counters = getattr(torch._dynamo.utils, "counters", None)
+    frames_before = dict(counters["stats"]) if counters is not None else {}
+    pre = read_status()
+    info["hwm_reset"] = reset_hwm()
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        step(*batches[i % len(batches)])
+        times.append(time.perf_counter() - t0)
+    status = read_status()
+    frames_after = dict(counters["stats"]) if counters is not None else {}
+    info.update(step_s=statistics.median(times), times=times, vmhwm=status["VmHWM"],
+                rss_pre=pre["VmRSS"], rss_end=status["VmRSS"],
+                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                recompiled=frames_after.get("unique_graphs", 0) != frames_before.get("unique_graphs", 0))
+    print("RESULT: " + json.dumps(info), flush=True)
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def run_child(args, variant: str, t: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--t", str(t),
+           "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads),
+           "--vocab", str(args.vocab), "--batch", str(args.batch), "--threads", str(args.threads),
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if args.malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    with tempfile.TemporaryDirectory(prefix="dp_bench_cache_") as cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "T": t, "status": "timeout", "wall_s": args.timeout}
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT: "):
+            result = json.loads(line[len("RESULT: "):])
+            result.update(status="ok", wall_s=wall)
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+    return {"variant": variant, "T": t, "status": "error", "error": "\n".join(tail), "wall_s": wall}
+
+
+def fmt_mb(b):
+    return f"{b / 2**20:8.1f}" if b is not None else f"{'-':>8s}"
+
+
+def print_table(t: int, results: dict[str, dict]) -> dict:
+    base = results.get("nonprivate", {})
+    ok_base = base.get("status") == "ok"
+    print(f"\n=== T = {t} ===")
+    print(f"{'variant':16s}{'step ms':>10s}{'x time':>8s}{'VmHWM MB':>10s}{'x mem':>7s}{'HWM-pre':>9s}"
+          f"{'maxrss MB':>11s}{'wall s':>8s}  notes")
+    for v in VARIANTS:
+        r = results.get(v)
+        if r is None:
+            continue
+        if r["status"] != "ok":
+            print(f"{v:16s}{r['status']:>10s}" + " " * 53 + (r.get("error", "").splitlines() or [""])[-1][:100])
+            continue
+        tr = r["step_s"] / base["step_s"] if ok_base else None
+        mr = r["vmhwm"] / base["vmhwm"] if ok_base else None
+        r["time_ratio"], r["mem_ratio"] = tr, mr
+        notes = []
+        if v == "vmap-optpass":
+            notes.append(f"per_sample_grad_norm {','.join(sorted(set(r['pass_status']))) or 'not run'}, "
+                         f"{r['norm_ops']} norm ops")
+            if r.get("est_peak_before"):
+                notes.append(f"est. graph peak {r['est_peak_before'] / 2**20:.0f} -> "
+                             f"{r['est_peak_after'] / 2**20:.0f} MB")
+        if r.get("recompiled"):
+            notes.append("RECOMPILED during timing")
+        print(f"{v:16s}{r['step_s'] * 1e3:10.1f}{(f'{tr:.2f}' if tr else '-'):>8s}{fmt_mb(r['vmhwm']):>10s}"
+              f"{(f'{mr:.2f}' if mr else '-'):>7s}{fmt_mb(r['vmhwm'] - r['rss_pre']):>9s}{fmt_mb(r['ru_maxrss']):>11s}{r['wall_s']:8.0f}  {'; '.join(notes)}")
+    goals = {}
+    o = results.get("vmap-optpass", {})
+    if ok_base and o.get("status") == "ok":
+        dp_ok = {v: results[v] for v in DP_VARIANTS if results.get(v, {}).get("status") == "ok"}
+        fastest = min(dp_ok, key=lambda v: dp_ok[v]["step_s"])
+        smallest = min(dp_ok, key=lambda v: dp_ok[v]["vmhwm"])
+        goals = {"time_le_1.3x": o["time_ratio"] <= 1.3, "mem_le_1.1x": o["mem_ratio"] <= 1.1,
+                 "fastest_dp": fastest == "vmap-optpass", "smallest_dp": smallest == "vmap-optpass",
+                 "fastest_dp_variant": fastest, "smallest_dp_variant": smallest}
+        print(f"goals: optpass time {o['time_ratio']:.2f}x <= 1.3x: {'MET' if goals['time_le_1.3x'] else 'NOT met'}; "
+              f"memory {o['mem_ratio']:.2f}x <= 1.1x: {'MET' if goals['mem_le_1.1x'] else 'NOT met'}; "
+              f"best DP variant: fastest={fastest}, smallest={smallest} "
+              f"({'MET' if goals['fastest_dp'] and goals['smallest_dp'] else 'NOT met'})")
+    else:
+        print("goals: cannot be judged (non-private or optpass run missing)")
+    return goals
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--T", default=None, help="comma-separated sequence lengths (default 16,128,512; --quick 16,64)")
+    p.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, T = 16,64")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per child (default 600)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=131072, help="0: glibc default")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--t", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.d_model is None:
+        args.d_model = 64 if args.quick else 256
+    if args.n_layers is None:
+        args.n_layers = 2 if args.quick else 4
+    if args.warmup is None:
+        args.warmup = 6 if args.quick else 6
+    if args.steps is None:
+        args.steps = 6 if args.quick else 6
+    if args.child:
+        child(args)
+        return
+
+    ts = [int(t) for t in (args.T or ("16,64" if args.quick else "16,128,512")).split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    print(f"DPLM d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} vocab={args.vocab} "
+          f"(positions as nn.Embedding, untied head), B={args.batch}, SGD, C={MAX_GRAD_NORM}, "
+          f"noise={NOISE}, threads={args.threads}, warmup={args.warmup}, steps={args.steps}, "
+          f"MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold or 'default'}")
+    all_results, all_goals = {}, {}
+    for t in ts:
+        results = {}
+        for v in variants:
+            results[v] = run_child(args, v, t)
+            r = results[v]
+            print(f"  T={t} {v}: {r['status']}" + (f", {r['step_s'] * 1e3:.1f} ms/step, VmHWM "
+                                                    f"{r['vmhwm'] / 2**20:.1f} MB" if r["status"] == "ok" else
+                                                    f" {r.get('error', '')[-300:]}"), flush=True)
+        all_goals[t] = print_table(t, results)
+        all_results[t] = results
+
+    print("\nsummary:")
+    for t, goals in all_goals.items():
+        if not goals:
+            print(f"  T={t}: goals not judged (a run failed or timed out)")
+            continue
+        met = [k for k in ("time_le_1.3x", "mem_le_1.1x", "fastest_dp", "smallest_dp") if goals[k]]
+        missed = [k for k in ("time_le_1.3x", "mem_le_1.1x", "fastest_dp", "smallest_dp") if not goals[k]]
+        print(f"  T={t}: met {met or 'none'}; NOT met {missed or 'none'}")
+    summary = {str(t): {v: {k: r.get(k) for k in ("status", "step_s", "vmhwm", "ru_maxrss", "time_ratio",
+                                                   "mem_ratio", "norm_ops", "est_peak_before", "est_peak_after")
+                            if k in r} for v, r in res.items()} for t, res in all_results.items()}
+    out = {"config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "batch", "threads",
+                                                     "warmup", "steps", "malloc_mmap_threshold")},
+           "results": summary, "goals": {str(t): g for t, g in all_goals.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**out, "raw": {str(t): r for t, r in all_results.items()}}, f, indent=1)
+    print("JSON: " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
