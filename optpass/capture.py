@@ -64,20 +64,21 @@ class GraphKind(str, enum.Enum):
 @dataclasses.dataclass
 class Parameter:
     name: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None      # None in a report's light copy (see without_tensors)
     input_index: int | None = None   # flat placeholder index (step/forward graphs)
     attr: str | None = None          # get_attr target (update graphs)
+    nbytes: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def __post_init__(self) -> None:
+        if self.tensor is not None:
+            self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclasses.dataclass
 class CapturedGraph:
     """One Dynamo graph and the roles of its values."""
 
-    gm: torch.fx.GraphModule
+    gm: torch.fx.GraphModule | None     # None in a report's light copy
     kind: GraphKind
     compile_id: str
     split_reason: str | None              # why Dynamo ended the graph here (a graph break), if it did
@@ -98,6 +99,18 @@ class CapturedGraph:
     @property
     def param_by_name(self) -> dict[str, Parameter]:
         return {p.name: p for p in self.params}
+
+    @property
+    def dynamo_ops(self) -> int:
+        return self._dynamo_ops if self.gm is None else sum(
+            1 for n in self.gm.graph.nodes if n.op.startswith("call"))
+
+    def without_tensors(self) -> "CapturedGraph":
+        """A copy that keeps names and counts but no graph or tensors (for the report log)."""
+        light = dataclasses.replace(
+            self, gm=None, params=[dataclasses.replace(p, tensor=None) for p in self.params])
+        light._dynamo_ops = self.dynamo_ops
+        return light
 
     def roles_digest(self) -> str:
         """A stable summary of the roles (part of the Inductor cache key of a rewrite)."""

@@ -2,8 +2,8 @@
 
 Every backend call appends a ``GraphReport`` to a short process-wide log
 (``recent_reports()``). Tests and ``explain`` read it; it holds names, counts
-and estimates, plus graph copies only while ``keep_graphs`` is on (explain),
-so normal compiles pay nothing for it.
+and estimates, plus the graphs (and through them the parameters) only while
+``keep_graphs`` is on (explain), so normal compiles keep no model memory alive.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class GraphReport:
             "split_reason": c.split_reason,
             "split_line": str(c.split_line) if c.split_line else None,
             "backward_line": str(c.backward_line) if c.backward_line else None,
-            "dynamo_ops": sum(1 for n in c.gm.graph.nodes if n.op.startswith("call")),
+            "dynamo_ops": c.dynamo_ops,
             "aten_ops_before": self.aten_ops_before,
             "aten_ops_after": self.aten_ops_after,
             "regions": dict(self.regions),
@@ -83,6 +83,10 @@ def _memory_dict(estimate) -> dict[str, Any] | None:
 
 
 def record(report: GraphReport) -> GraphReport:
+    # The log outlives models and optimizers: outside keep_graphs() it holds names and
+    # counts, not the Dynamo graph or the parameters (which would keep their memory alive).
+    if not keeping_graphs():
+        report.captured = report.captured.without_tensors()
     _LOG.append(report)
     return report
 

@@ -240,3 +240,18 @@ def test_explain_shows_why_the_tutorial_shape_splits():
     assert report.graphs[0].kind is GraphKind.FORWARD
     assert "autograd.grad consumed returned tensor's grad_fn" in report.to_dict()["graphs"][0]["split_reason"]
     assert len(report.warnings) == 1 and "WARNING" in str(report)
+
+
+def test_the_report_log_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    model, opt = mlp_and_opt()
+    step = torch.compile(make_step(model, opt), backend="optpass", options={"lower": "eager"})
+    step(*data())
+    assert optpass.recent_reports()
+    ref = weakref.ref(model[0].weight)
+    del model, opt, step
+    torch._dynamo.reset()
+    gc.collect()
+    assert ref() is None
