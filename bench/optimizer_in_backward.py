@@ -18,6 +18,8 @@ Variants (each in a FRESH subprocess: this script re-invoked with ``--child VARI
   unfused graph and an eager ``opt.step()`` (torch.optim creates its state), call
   2 compiles the fused graph -- inside ``optpass.keep_graphs()``, so its report
   carries the graph-level memory estimate before/after the pass;
+* ``optpass-clip`` (only with ``--variants``) -- optpass with ``clip_grad_norm=1.0``: what
+  exact global-norm clipping (a norm-only backward first) costs.
 * ``optpass-eager`` (only with ``--variants``) -- the same with ``lower="eager"``:
   the rewritten aten graph run as is, for telling Inductor's part from the pass's.
 
@@ -75,7 +77,7 @@ import tempfile
 import time
 
 DEFAULT_VARIANTS = ("eager", "inductor", "optpass")
-ALL_VARIANTS = DEFAULT_VARIANTS + ("optpass-eager",)
+ALL_VARIANTS = DEFAULT_VARIANTS + ("optpass-eager", "optpass-clip")
 MEMORY_GOAL = 0.90      # fraction of the gradient bytes saved vs inductor
 STEP_GOAL = 1.00        # optpass / inductor step time
 RESULT_PREFIX = "RESULT:"
@@ -181,10 +183,12 @@ def run_child(args) -> None:
         step = train_step
     elif variant == "inductor":
         step = torch.compile(train_step, backend="inductor")
-    elif variant in ("optpass", "optpass-eager"):
+    elif variant in ("optpass", "optpass-eager", "optpass-clip"):
         options = {"optimizer": opt, "optimizer_in_backward": True}
         if variant == "optpass-eager":
             options["lower"] = "eager"
+        if variant == "optpass-clip":   # exact global-norm clipping: one extra, norm-only backward
+            options["clip_grad_norm"] = 1.0
         step = torch.compile(train_step, backend="optpass", options=options)
     else:
         raise SystemExit(f"unknown variant {variant!r}")
@@ -425,6 +429,13 @@ def run_parent(args) -> None:
             print(f"optpass vs {base:8s}: VmHWM saved {(b['vm_hwm_mb'] - o['vm_hwm_mb']):8.1f} MB = "
                   f"{saved:.3f} x gradient bytes; step time ratio {step_ratio:.3f} (of the minima "
                   f"{o['min_step_ms'] / b['min_step_ms']:.3f}){goal}")
+        if "optpass-clip" in summary and "optpass" in summary:
+            c, o = summary["optpass-clip"], summary["optpass"]
+            ratios["step_time_clip_over_optpass"] = c["median_step_ms"] / o["median_step_ms"]
+            ratios["memory_clip_minus_optpass_mb"] = c["vm_hwm_mb"] - o["vm_hwm_mb"]
+            print(f"optpass-clip vs optpass: step time ratio {ratios['step_time_clip_over_optpass']:.3f} "
+                  f"(of the minima {c['min_step_ms'] / o['min_step_ms']:.3f}); VmHWM "
+                  f"{ratios['memory_clip_minus_optpass_mb']:+.1f} MB  (the cost of clip_grad_norm)")
         if "optpass-eager" in summary and "eager" in summary:
             e = summary["optpass-eager"]
             saved = (summary["eager"]["vm_hwm_mb"] - e["vm_hwm_mb"]) * _MB / grad_bytes
