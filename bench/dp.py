@@ -366,9 +366,9 @@ def main() -> None:
     if args.n_layers is None:
         args.n_layers = 2 if args.quick else 4
     if args.warmup is None:
-        args.warmup = 6 if args.quick else 6
+        args.warmup = 6
     if args.steps is None:
-        args.steps = 6 if args.quick else 6
+        args.steps = 6
     if args.child:
         child(args)
         return
