@@ -70,6 +70,8 @@ import sys
 import tempfile
 import time
 
+from _measure import children_cpu_s, cpu_busy_s, median
+
 VARIANTS = ("inductor", "optpass")
 BUSY_CORES = 0.25  # other processes using more CPU than this during a child: its times are noisy
 STEP_GOAL = 1.02
@@ -300,7 +302,7 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
     if profile_out:
         cmd += ["--profile-out", profile_out]
     waited = _wait_until_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
-    cpu_before, ours_before = _cpu_busy_s(), _children_cpu_s()
+    cpu_before, ours_before = cpu_busy_s(), children_cpu_s()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -316,7 +318,7 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["process_wall_s"] = wall
     result["waited_for_idle_s"] = round(waited, 1)
-    cpu_after, ours_after = _cpu_busy_s(), _children_cpu_s()
+    cpu_after, ours_after = cpu_busy_s(), children_cpu_s()
     # CPU time of the child and the compile workers it reaped: less sensitive to other load than wall time.
     result["process_cpu_s"] = round(ours_after - ours_before, 3)
     if cpu_before is not None and cpu_after is not None:
@@ -330,35 +332,17 @@ def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str |
     return result
 
 
-def _cpu_busy_s() -> float | None:
-    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def _wait_until_idle(max_wait_s: float, window_s: float = 2.0, threshold_cores: float = 0.25) -> float:
     """Between children nothing of ours runs: wait (up to max_wait_s) until the machine's CPUs are idle."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < max_wait_s:
-        before = _cpu_busy_s()
+        before = cpu_busy_s()
         if before is None:
             break
         time.sleep(window_s)
-        if (_cpu_busy_s() - before) / window_s < threshold_cores:
+        if (cpu_busy_s() - before) / window_s < threshold_cores:
             break
     return time.perf_counter() - t0
-
-
-def _children_cpu_s() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _busy_warning(args, runs) -> str | None:
@@ -374,10 +358,6 @@ def _busy_warning(args, runs) -> str | None:
 
 def _new_cache_dir(tag: str) -> str:
     return tempfile.mkdtemp(prefix=f"optpass-bench-{tag}-")
-
-
-def _med(values):
-    return statistics.median(values) if values else float("nan")
 
 
 def run_parent(args) -> None:
@@ -449,15 +429,15 @@ def run_parent(args) -> None:
     for v in VARIANTS:
         rs = cold[v]
         summary[v] = {
-            "compile_s": _med([r["compile_s"] for r in rs]),
-            "warmup_wall_s": _med([r["warmup_wall_s"] for r in rs]),
-            "first_call_s": _med([r["warmup_call_s"][0] for r in rs]),
-            "second_call_s": _med([r["warmup_call_s"][1] for r in rs]) if args.warmup > 1 else None,
-            "steady_cold_process_s": _med([r["steady_median_s"] for r in rs]),
+            "compile_s": median([r["compile_s"] for r in rs]),
+            "warmup_wall_s": median([r["warmup_wall_s"] for r in rs]),
+            "first_call_s": median([r["warmup_call_s"][0] for r in rs]),
+            "second_call_s": median([r["warmup_call_s"][1] for r in rs]) if args.warmup > 1 else None,
+            "steady_cold_process_s": median([r["steady_median_s"] for r in rs]),
             "steady_interleaved_s": interleaved["median_per_step_s"][v] if interleaved else None,
             "graphs": graphs[v],
-            "process_cpu_s": _med([r["process_cpu_s"] for r in rs]),
-            "dynamo_timed_s": {k: _med([r["dynamo_timed_s"].get(k, 0.0) for r in rs])
+            "process_cpu_s": median([r["process_cpu_s"] for r in rs]),
+            "dynamo_timed_s": {k: median([r["dynamo_timed_s"].get(k, 0.0) for r in rs])
                                for k in sorted({k for r in rs for k in r["dynamo_timed_s"]})},
         }
     compile_ratio = summary["optpass"]["compile_s"] / summary["inductor"]["compile_s"]
@@ -465,7 +445,7 @@ def run_parent(args) -> None:
     paired_compile = [o["compile_s"] / i["compile_s"] for i, o in zip(cold["inductor"], cold["optpass"])]
     clean = {v: [r["compile_s"] for r in cold[v] if (r.get("other_processes_cores") or 0.0) <= BUSY_CORES]
              for v in VARIANTS}
-    clean_ratio = _med(clean["optpass"]) / _med(clean["inductor"]) if all(clean.values()) else None
+    clean_ratio = median(clean["optpass"]) / median(clean["inductor"]) if all(clean.values()) else None
     if interleaved:
         step_ratio = interleaved["ratio_of_medians"]
         step_source = "interleaved"
@@ -485,10 +465,10 @@ def run_parent(args) -> None:
         print(f"{label + unit:38s}{a * scale:12.3f}{b * scale:12.3f}{b / a:9.3f}")
 
     row(f"compile: first {args.warmup} calls - {args.warmup}x step", "compile_s", unit=" [s]")
-    print(f"{'  median of per-repeat compile ratios':38s}{'':24s}{_med(paired_compile):9.3f}")
+    print(f"{'  median of per-repeat compile ratios':38s}{'':24s}{median(paired_compile):9.3f}")
     if clean_ratio is not None and any(len(clean[v]) < len(cold[v]) for v in VARIANTS):
         print(f"{'  only runs on idle CPUs (n=%d/%d)' % (len(clean['inductor']), len(clean['optpass'])):38s}"
-              f"{_med(clean['inductor']):12.3f}{_med(clean['optpass']):12.3f}{clean_ratio:9.3f}")
+              f"{median(clean['inductor']):12.3f}{median(clean['optpass']):12.3f}{clean_ratio:9.3f}")
     row(f"  wall time of first {args.warmup} calls", "warmup_wall_s", unit=" [s]")
     row("  call 1 (step + update/init graphs)", "first_call_s", unit=" [s]")
     if args.warmup > 1:
@@ -506,8 +486,8 @@ def run_parent(args) -> None:
     row("CPU time of a whole cold process", "process_cpu_s", unit=" [s]")
     own = [r.get("optpass_own_s", {}) for r in cold["optpass"]]
     if own and own[0]:
-        cap = _med([o["capture"] for o in own])
-        rew = _med([o["rewrite"] for o in own])
+        cap = median([o["capture"] for o in own])
+        rew = median([o["rewrite"] for o in own])
         print(f"{'optpass own time: capture / passes [s]':38s}{'':12s}{cap:6.3f}/{rew:5.3f}")
     print(f"{'graphs compiled (Dynamo)':38s}{str(graphs['inductor']):>12s}{str(graphs['optpass']):>12s}")
     kinds = cold["optpass"][0].get("optpass_graph_kinds")
@@ -546,7 +526,7 @@ def run_parent(args) -> None:
                                               f"{args.warmup} x the same process's median steady step"},
         "ratios": {"step_time": step_ratio, "step_time_source": step_source,
                    "compile_time": compile_ratio, "warmup_wall_time": wall_ratio,
-                   "compile_time_paired_median": _med(paired_compile),
+                   "compile_time_paired_median": median(paired_compile),
                    "compile_time_idle_runs_only": clean_ratio,
                    "step_goal": STEP_GOAL, "compile_goal": COMPILE_GOAL},
         "summary": summary,

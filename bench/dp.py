@@ -67,6 +67,8 @@ import sys
 import tempfile
 import time
 
+from _measure import reset_peak_rss
+
 VARIANTS = ["nonprivate", "vmap-inductor", "vmap-optpass", "opacus-hooks", "opacus-ghost"]
 DP_VARIANTS = VARIANTS[1:]
 MAX_GRAD_NORM, NOISE, LR = 1.0, 1.0, 0.05
@@ -157,15 +159,6 @@ def read_status() -> dict[str, int]:
     return out
 
 
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def child(args) -> None:
     import torch
     import torch.nn as nn
@@ -250,7 +243,7 @@ def child(args) -> None:
     counters = getattr(torch._dynamo.utils, "counters", None)
     frames_before = dict(counters["stats"]) if counters is not None else {}
     pre = read_status()
-    info["hwm_reset"] = reset_hwm()
+    info["hwm_reset"] = reset_peak_rss()
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()

@@ -76,6 +76,8 @@ import sys
 import tempfile
 import time
 
+from _measure import children_cpu_s, cpu_busy_s, malloc_trim, median, proc_status_kib, reset_peak_rss, self_cpu_s
+
 DEFAULT_VARIANTS = ("eager", "inductor", "optpass")
 ALL_VARIANTS = DEFAULT_VARIANTS + ("optpass-eager", "optpass-clip")
 MEMORY_GOAL = 0.90      # fraction of the gradient bytes saved vs inductor
@@ -86,34 +88,6 @@ _MIB = 1 << 20
 
 
 # ====================================================================== child side
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _malloc_trim() -> bool:
-    """glibc: give the free pages of the heap back to the OS (what warm-up freed stays in RSS otherwise)."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
 
 def _graph_count(torch) -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -161,7 +135,7 @@ def run_child(args) -> None:
 
     torch._dynamo.config.trace_autograd_ops = True
     variant = args.child
-    rss_start_kib = _proc_status_kib("VmRSS")
+    rss_start_kib = proc_status_kib("VmRSS")
 
     torch.manual_seed(0)
     model = MLP((args.width,) * (args.layers + 1))
@@ -213,10 +187,10 @@ def run_child(args) -> None:
     grads_after_warmup = sum(p.grad is not None for p in model.parameters())
 
     gc.collect()
-    trimmed = _malloc_trim() if args.malloc_trim else None
-    rss_before_kib = _proc_status_kib("VmRSS")
-    reset_ok = _reset_peak_rss()
-    machine_before, self_before, wall_before = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
+    trimmed = malloc_trim() if args.malloc_trim else None
+    rss_before_kib = proc_status_kib("VmRSS")
+    reset_ok = reset_peak_rss()
+    machine_before, self_before, wall_before = cpu_busy_s(), self_cpu_s(), time.perf_counter()
     times = []
     for i in range(args.steps):
         x, y = data[(args.warmup + i) % len(data)]
@@ -224,9 +198,9 @@ def run_child(args) -> None:
         out = step(x, y)
         times.append(time.perf_counter() - t0)
         losses.append(float(out))
-    vm_hwm_kib = _proc_status_kib("VmHWM")
-    vm_rss_kib = _proc_status_kib("VmRSS")
-    machine_after, self_after, wall_after = _cpu_busy_s(), _self_cpu_s(), time.perf_counter()
+    vm_hwm_kib = proc_status_kib("VmHWM")
+    vm_rss_kib = proc_status_kib("VmRSS")
+    machine_after, self_after, wall_after = cpu_busy_s(), self_cpu_s(), time.perf_counter()
     other_cores = None
     if machine_before is not None and machine_after is not None:
         # CPUs kept busy by other processes while the measured steps ran (OpenMP threads that
@@ -269,30 +243,6 @@ def run_child(args) -> None:
 
 # ====================================================================== parent side
 
-def _cpu_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _self_cpu_s() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _children_cpu_s() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _spawn(args, variant: str) -> dict:
     cache_dir = tempfile.mkdtemp(prefix=f"optpass-oib-{variant}-")   # empty: nothing shared between children
     env = dict(os.environ)
@@ -309,7 +259,7 @@ def _spawn(args, variant: str) -> dict:
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     if args.malloc_trim:
         cmd.append("--malloc-trim")
-    cpu_before, ours_before = _cpu_busy_s(), _children_cpu_s()
+    cpu_before, ours_before = cpu_busy_s(), children_cpu_s()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -326,7 +276,7 @@ def _spawn(args, variant: str) -> dict:
                          f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     result["process_wall_s"] = round(wall, 2)
-    cpu_after, ours_after = _cpu_busy_s(), _children_cpu_s()
+    cpu_after, ours_after = cpu_busy_s(), children_cpu_s()
     if cpu_before is not None and cpu_after is not None:
         # cores kept busy by processes other than this child, on average over its run
         result["other_processes_cores"] = round(
@@ -335,11 +285,6 @@ def _spawn(args, variant: str) -> dict:
     if warnings_seen:
         result["stderr_warnings"] = warnings_seen[:20]
     return result
-
-
-def _med(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
 
 
 def _mb(kib: float) -> float:
@@ -378,13 +323,13 @@ def run_parent(args) -> None:
     for v in variants:
         rs = runs[v]
         summary[v] = {
-            "vm_hwm_mb": _mb(_med([r["vm_hwm_kib"] for r in rs])),
-            "vm_rss_mb": _mb(_med([r["vm_rss_kib"] for r in rs])),
-            "step_peak_above_rest_mb": _mb(_med([r["vm_hwm_kib"] - r["rss_before_steps_kib"] for r in rs])),
-            "rss_at_start_mb": _mb(_med([r["rss_at_start_kib"] for r in rs])),
-            "rss_before_steps_mb": _mb(_med([r["rss_before_steps_kib"] for r in rs])),
-            "ru_maxrss_mb": _mb(_med([r["ru_maxrss_kib"] for r in rs])),
-            "median_step_ms": _med([r["median_step_s"] for r in rs]) * 1e3,
+            "vm_hwm_mb": _mb(median([r["vm_hwm_kib"] for r in rs])),
+            "vm_rss_mb": _mb(median([r["vm_rss_kib"] for r in rs])),
+            "step_peak_above_rest_mb": _mb(median([r["vm_hwm_kib"] - r["rss_before_steps_kib"] for r in rs])),
+            "rss_at_start_mb": _mb(median([r["rss_at_start_kib"] for r in rs])),
+            "rss_before_steps_mb": _mb(median([r["rss_before_steps_kib"] for r in rs])),
+            "ru_maxrss_mb": _mb(median([r["ru_maxrss_kib"] for r in rs])),
+            "median_step_ms": median([r["median_step_s"] for r in rs]) * 1e3,
             "min_step_ms": min(r["min_step_s"] for r in rs) * 1e3,
             "grads_not_none_after_steps": max(r["grads_not_none_after_steps"] for r in rs),
             "optimizer_state_mb": rs[0]["optimizer_state_bytes"] / _MB,
