@@ -213,3 +213,14 @@ def test_explain_reports_the_legality_verdict():
     verdict = report.to_dict()["graphs"][0]["legality"]
     assert verdict.startswith("optimizer_in_backward refused") and "clip_grad_norm_" in verdict
     assert "legality: optimizer_in_backward refused" in str(report)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm is a positive max norm for optimizer_in_backward"),
+    ({"clip_grad_norm": -1.0, "optimizer_in_backward": True}, "clip_grad_norm is a positive max norm"),
+    ({"accumulation_steps": 4}, "accumulation_steps is for optimizer_in_backward"),
+])
+def test_option_combinations_that_cannot_work_are_refused(options, match):
+    _, opt = setup_model()
+    with pytest.raises(optpass.OptpassError, match=match):
+        optpass.options.Options.from_user({"optimizer": opt, **options})

@@ -8,7 +8,7 @@ from expecttest import TestCase
 import optpass
 
 
-def fused_graph_diff(model, opt, loss_fn, *inputs):
+def fused_graph_diff(model, opt, loss_fn, *inputs, **options):
     def train_step(*args):
         loss = loss_fn(*args)
         loss.backward()
@@ -18,7 +18,8 @@ def fused_graph_diff(model, opt, loss_fn, *inputs):
         return out
 
     step = torch.compile(train_step, backend="optpass",
-                         options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True})
+                         options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True,
+                                  **options})
     step(*inputs)                      # first update: torch.optim creates its state
     optpass.report.clear_reports()
     with optpass.keep_graphs():
@@ -119,3 +120,52 @@ class TestOptimizerInBackwardGraph(TestCase):
  detach_2 = aten.detach(getitem_0)
 -return (detach_2, copy_0)
 +return (detach_2, None)""")
+
+    def test_clip_grad_norm_runs_a_norm_only_backward_first(self):
+        model = nn.Sequential(nn.Linear(3, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        diff = fused_graph_diff(model, opt, lambda x, y: F.mse_loss(model(x), y),
+                                torch.randn(5, 3), torch.randn(5, 2), clip_grad_norm=0.5)
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -15,8 +15,34 @@
+ view_0 = aten.view(sum_0, [2])
++mul_0 = aten.mul.Tensor(view_0, view_0)
++sum_1 = aten.sum(mul_0)
+ t_3 = aten.t(t_2)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, t_3)
+-empty_like_1 = aten.empty_like(in1, pin_memory=False)
+-copy_1 = aten.copy(empty_like_1, view_0)
++mul_1 = aten.mul.Tensor(t_3, t_3)
++sum_2 = aten.sum(mul_1)
++add_0 = aten.add.Tensor(sum_1, sum_2)
++sqrt_0 = aten.sqrt(add_0)
++add_1 = aten.add.Tensor(sqrt_0, 1e-06)
++reciprocal_0 = aten.reciprocal(add_1)
++mul_2 = aten.mul.Tensor(reciprocal_0, 0.5)
++clamp_max_0 = aten.clamp_max(mul_2, 1.0)
++ones_like_1 = aten.ones_like(mse_loss_0, pin_memory=False, memory_format=torch.preserve_format)
++mse_loss_backward_1 = aten.mse_loss_backward(ones_like_1, addmm_0, in3, 1)
++t_4 = aten.t(mse_loss_backward_1)
++mm_1 = aten.mm(t_4, in2)
++t_5 = aten.t(mm_1)
++sum_3 = aten.sum.dim_IntList(mse_loss_backward_1, [0], True)
++view_1 = aten.view(sum_3, [2])
++mul_3 = aten.mul.Tensor(view_1, clamp_max_0)
++clone_0 = aten.clone(in1)
++neg_0 = aten.neg(in4)
++fma_0 = prims.fma(mul_3, neg_0, clone_0)
++copy_0 = aten.copy(clone_0, fma_0)
++copy__0 = aten.copy_(in1, copy_0)
++t_6 = aten.t(t_5)
++mul_4 = aten.mul.Tensor(t_6, clamp_max_0)
++clone_1 = aten.clone(in0)
++neg_1 = aten.neg(in4)
++fma_1 = prims.fma(mul_4, neg_1, clone_1)
++copy_1 = aten.copy(clone_1, fma_1)
++copy__1 = aten.copy_(in0, copy_1)
+ detach_0 = aten.detach(mse_loss_0)
+-return (detach_0, copy_0, copy_1)
++return (detach_0, None, None)""")
