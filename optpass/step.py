@@ -23,10 +23,12 @@ forward. Nodes a pass inserts to update parameters tag themselves ``update``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 from optpass.capture import CapturedGraph, GraphKind
 
@@ -52,6 +54,22 @@ class StepGraph:
     @property
     def kind(self) -> GraphKind:
         return self.captured.kind
+
+    @functools.cached_property
+    def fake_mode(self):
+        return detect_fake_mode([n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
+
+    def set_fake_value(self, node: torch.fx.Node) -> None:
+        """Later Inductor passes read meta['val'] of every node (fact 22): run the op on fake inputs."""
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+    def emit(self, target, *args, **kwargs) -> torch.fx.Node:
+        """A new call_function node at the graph's insert point, with its meta['val']."""
+        node = self.graph.call_function(target, args, kwargs)
+        self.set_fake_value(node)
+        return node
 
     @property
     def output_node(self) -> torch.fx.Node:

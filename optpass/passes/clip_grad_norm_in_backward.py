@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
-from optpass.passes.optimizer_in_backward import CONTEXT_KEY, _gradient_value, _set_fake_value
+from optpass.passes.optimizer_in_backward import CONTEXT_KEY, _gradient_value
 from optpass.step import BACKWARD, GRADIENT_TRANSFORM
 
 aten = torch.ops.aten
@@ -49,15 +48,10 @@ def run(step, options) -> str | None:
 
 def clip_fused_gradients(step, names: list[str], max_norm: float) -> None:
     graph = step.graph
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+    emit = step.emit
     values = {name: _gradient_value(step.gradient_nodes[name]) for name in names}
     to_copy = _backward_cone(step, list(values.values()))
     first_backward = next(n for n in graph.nodes if n in to_copy)
-
-    def emit(target, *args):
-        node = graph.call_function(target, args)
-        _set_fake_value(node, fake_mode)
-        return node
 
     # The norm-only backward: a copy of every backward node leading to a fused gradient, each
     # gradient squared and summed as soon as it exists so it can be freed right away.

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 from optpass.step import REGION_KEY, UPDATE, is_view
 
@@ -54,7 +53,6 @@ def run(step, options) -> str | None:
 def splice_updates(step, plan) -> None:
     """Insert each parameter's harvested update after its gradient is final; drop the gradient output."""
     graph = step.graph
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
     inputs = _placeholders_by_dynamo_index(graph)
     # First drop the gradient outputs and what only existed to fill .grad (Dynamo's
     # empty_like + copy, the accumulate-into-.grad write), so they neither keep the
@@ -79,7 +77,7 @@ def splice_updates(step, plan) -> None:
         env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
         anchor = _last_node_update_must_follow(graph, step.param_nodes[name], gradient_values[name])
         with graph.inserting_before(anchor.next):  # keeps the slice's order
-            inserted = _copy_slice(graph, update, env, fake_mode)
+            inserted = _copy_slice(step, update, env)
         for node in inserted:
             node.meta[REGION_KEY] = UPDATE
     step.gradient_nodes.clear()
@@ -133,23 +131,14 @@ def _last_node_update_must_follow(graph, param: torch.fx.Node, gradient: torch.f
     return max(must_follow, key=position.__getitem__)
 
 
-def _copy_slice(graph, update, env, fake_mode) -> list[torch.fx.Node]:
+def _copy_slice(step, update, env) -> list[torch.fx.Node]:
     inserted = []
     for node in update.nodes:
-        copy = graph.node_copy(node, lambda n: env[n])
+        copy = step.graph.node_copy(node, lambda n: env[n])
         copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
-        _set_fake_value(copy, fake_mode)
+        step.set_fake_value(copy)
         env[node] = copy
         inserted.append(copy)
     for target, value in update.writes.items():
-        write = graph.call_function(torch.ops.aten.copy_.default, (env[target], env[value]))
-        _set_fake_value(write, fake_mode)
-        inserted.append(write)
+        inserted.append(step.emit(torch.ops.aten.copy_.default, env[target], env[value]))
     return inserted
-
-
-def _set_fake_value(node: torch.fx.Node, fake_mode) -> None:
-    """Later Inductor passes read meta['val'] (fact 22): run the op on the fake inputs."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    with fake_mode:
-        node.meta["val"] = node.target(*args, **kwargs)

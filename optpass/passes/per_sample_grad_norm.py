@@ -41,10 +41,8 @@ import math
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 import optpass.kernels.per_sample_norm  # noqa: F401  (registers torch.ops.optpass.*)
-from optpass.passes.optimizer_in_backward import _set_fake_value
 
 aten = torch.ops.aten
 Labels = list[tuple[str, ...]]   # one tuple of atomic labels per dimension
@@ -54,11 +52,10 @@ _SAME_LABELS = {aten.clone.default, aten.alias.default, aten.detach.default}
 
 def run(step, options) -> str | None:
     graph = step.graph
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
     rewritten = 0
     for node in list(graph.nodes):
         if _is_outer_product_over_tokens(node):
-            why_not = _rewrite(graph, node, fake_mode)
+            why_not = _rewrite(step, node)
             if why_not is None:
                 rewritten += 1
             elif why_not:
@@ -151,7 +148,7 @@ def _labelled_uses(root: torch.fx.Node, labels: Labels, size_of):
 
 # ---------------------------------------------------------------- the rewrite
 
-def _rewrite(graph: torch.fx.Graph, bmm: torch.fx.Node, fake_mode) -> str | None:
+def _rewrite(step, bmm: torch.fx.Node) -> str | None:
     """Rewrite one bmm's norm and clipped-sum uses; '' if it is no DP pattern, a reason if it is
     one that cannot be rewritten, None when done."""
     g_t, x = bmm.args[0], bmm.args[1]                       # [B, out, T], [B, T, in]
@@ -167,10 +164,7 @@ def _rewrite(graph: torch.fx.Graph, bmm: torch.fx.Node, fake_mode) -> str | None
                 f"{other.name} ({other.target}); only its squared norm and a coefficient-weighted sum "
                 "over the batch can be computed without materializing it")
 
-    def emit(target, *args, **kwargs):
-        node = graph.call_function(target, args, kwargs)
-        _set_fake_value(node, fake_mode)
-        return node
+    graph, emit = step.graph, step.emit
 
     def contiguous(node):
         return emit(aten.clone.default, node, memory_format=torch.contiguous_format)
