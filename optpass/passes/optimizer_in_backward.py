@@ -71,11 +71,14 @@ def splice_updates(step, plan) -> None:
             graph.erase_node(gradient)
             if destination.op != "placeholder" and not destination.users:
                 graph.erase_node(destination)    # Dynamo's empty_like(p)
+    # Positions of the original nodes, once: every node an update must follow is one of them
+    # (a slice reads only its own parameter), so later insertions do not change the answer.
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for name, update in plan.harvested.updates.items():
         env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
         env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
         env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
-        anchor = _last_node_update_must_follow(graph, step.param_nodes[name], gradient_values[name])
+        anchor = _last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = _copy_slice(step, update, env)
         for node in inserted:
@@ -125,8 +128,7 @@ def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
     return readers
 
 
-def _last_node_update_must_follow(graph, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
-    position = {n: i for i, n in enumerate(graph.nodes)}
+def _last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
     must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
     return max(must_follow, key=position.__getitem__)
 
