@@ -13,8 +13,8 @@ from optpass import lowering
 from optpass.capture import (GraphKind, capture, enable_backward_capture, warn_backward_outside,
                              warn_if_update_recompiles)
 from optpass.errors import OptpassError
-from optpass.fused_update import OptimizerInBackwardStep, refuse_update_during_accumulation
-from optpass.passes.legality import check_optimizer_in_backward
+from optpass.fused_update import OptimizerInBackwardStep, ShardedStep, refuse_update_during_accumulation
+from optpass.passes.legality import check_optimizer_in_backward, check_zero1
 from optpass.options import Options
 from optpass.report import GraphReport, record
 
@@ -35,6 +35,16 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         warn_backward_outside(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
+    # ZeRO-1: prove the step hands over raw gradients, then run it through the callable that
+    # updates this rank's shard (eagerly the first time, in the graph afterwards).
+    if options.data_parallel == "zero1" and captured.kind is not GraphKind.OTHER:
+        check_zero1(captured, options)
+        if options.optimizer_in_backward:
+            check_optimizer_in_backward(captured, options)
+        if captured.kind is GraphKind.STEP:
+            compile_fn = functools.partial(_lower, captured=captured, options=options)
+            return ShardedStep(gm, captured, options, gm.forward, compile_fn)
+        return _lower(gm, example_inputs, {}, captured=captured, options=options)
     # Optimizer in backward: prove it legal on this graph, then run the step through the
     # callable that fuses torch.optim's own update into backward from the second update on.
     if options.optimizer_in_backward and captured.kind is not GraphKind.OTHER:
@@ -54,7 +64,9 @@ def _lower(gm, example_inputs, context, *, captured, options):
                                 context=context)
     if options.lower == "eager":
         return lowering.lower_eager(gm, example_inputs, rewrite)
-    key = repr((options.digest(), captured.roles_digest(), sorted(context)))
+    # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
+    key = repr((options.digest(), captured.roles_digest(),
+                sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
     return lowering.lower_inductor(gm, example_inputs, rewrite, key)
 
 

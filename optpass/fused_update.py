@@ -56,6 +56,8 @@ class UpdatePlan:
 
 
 class OptimizerInBackwardStep:
+    feature = "optimizer_in_backward"
+
     def __init__(self, gm: torch.fx.GraphModule, captured: CapturedGraph, options, plain: Callable,
                  compile_fn: Callable[[torch.fx.GraphModule, list, dict], Callable]):
         self.gm, self.captured, self.options, self.compile_fn = gm, captured, options, compile_fn
@@ -106,32 +108,41 @@ class OptimizerInBackwardStep:
 
     # -------------------------------------------------------------- fused
 
+    def _update_source(self) -> tuple[torch.optim.Optimizer | None, dict[str, torch.Tensor]]:
+        """The optimizer whose update goes into the graph, and its parameters by name."""
+        return self.optimizer, self.fused
+
+    def _make_plan(self, harvested, lr_index: dict, state_index: dict) -> tuple[str, Any]:
+        return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index)
+
     @torch._dynamo.disable
     def _compile_fused(self, args: list) -> None:
-        harvested = harvest_update(self.optimizer, self.fused)
-        groups = sorted(harvested.lr)
-        state_keys = [(name, key) for name, update in harvested.updates.items() for key in update.states]
+        optimizer, names = self._update_source()
+        harvested = harvest_update(optimizer, names) if names else None
+        groups = sorted(harvested.lr) if harvested else []
+        state_keys = [(name, key) for name, update in harvested.updates.items()
+                      for key in update.states] if harvested else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
-        plan = UpdatePlan(
+        context_key, plan = self._make_plan(
             harvested,
             lr_index={g: first_extra + i for i, g in enumerate(groups)},
             state_index={nk: first_extra + len(groups) + i for i, nk in enumerate(state_keys)})
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
                     if not isinstance(self.optimizer.param_groups[g]["lr"], torch.Tensor)}
-        params = {name: self.fused[name] for name, _ in state_keys}
+        params = {name: names[name] for name, _ in state_keys}
 
         def extras() -> list:
             lrs = []
             for g in groups:
                 lr = self.optimizer.param_groups[g]["lr"]
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
-            return lrs + [self.optimizer.state[params[name]][key] for name, key in state_keys]
+            return lrs + [optimizer.state[params[name]][key] for name, key in state_keys]
 
         self._extras = extras
         self._hyperparameters = self._hyperparameter_snapshot()
-        self._fused = self.compile_fn(gm, args + extras(), {CONTEXT_KEY: plan})
+        self._fused = self.compile_fn(gm, args + extras(), {context_key: plan})
 
     def _hyperparameter_snapshot(self) -> list[dict]:
         keys = [k for k in self.optimizer.defaults if k not in ("lr", "foreach", "fused")]
@@ -144,10 +155,10 @@ class OptimizerInBackwardStep:
             if changed:
                 key = changed[0]
                 raise OptpassError(
-                    f"optimizer_in_backward: hyper-parameter {key!r} of param group {index} changed "
+                    f"{self.feature}: hyper-parameter {key!r} of param group {index} changed "
                     f"from {then[key]!r} to {current[key]!r} after the update was compiled into "
-                    "backward. Only lr may change between steps (it is a graph input); e.g. use "
-                    "OneCycleLR(cycle_momentum=False), or drop optimizer_in_backward.")
+                    "the step. Only lr may change between steps (it is a graph input); e.g. use "
+                    f"OneCycleLR(cycle_momentum=False), or drop {self.feature}.")
 
 
 def refuse_update_during_accumulation(captured: CapturedGraph, options) -> None:
@@ -180,3 +191,66 @@ def _append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
             node._dynamo_source = None  # AOTAutograd checks Dynamo metadata of every placeholder
     gm.recompile()
     return len(placeholders)
+
+
+class ShardedStep(OptimizerInBackwardStep):
+    """The step callable for data_parallel='zero1' (with or without optimizer_in_backward).
+
+    Same life cycle as OptimizerInBackwardStep, but the update is this rank's
+    shard optimizer's (``zero1.py``): the first update runs eagerly with the same
+    collectives; from the second on the ``shard_optimizer`` pass puts
+    reduce-scatter, shard update and all-gather into the step graph.
+    """
+
+    feature = "data_parallel='zero1'"
+
+    def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
+        from optpass.zero1 import sharded_optimizer
+
+        names_by_id = {id(p.tensor): p.name for p in captured.params}
+        self.sharded = sharded_optimizer(options.optimizer, options.process_group, options.partition,
+                                         options.bucket_bytes, names_by_id)
+        super().__init__(gm, captured, options, plain, compile_fn)
+        self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
+        missing = [f"#{i}" if name is None else name for i, name in self.names.items()
+                   if name not in self.fused]
+        if missing:
+            raise OptpassError(
+                f"data_parallel='zero1': parameter(s) {', '.join(missing[:3])} are in the optimizer and "
+                "require grad but get no gradient in this step; every rank must update every "
+                "parameter. Set requires_grad=False on parameters the step does not use, or leave "
+                "them out of the optimizer.")
+
+    def __call__(self, *args):
+        try:
+            return super().__call__(*args)
+        except OptpassError:
+            raise
+        except RuntimeError as error:
+            pg = self.sharded.pg
+            raise OptpassError(
+                f"data_parallel='zero1': the step failed on rank {pg.rank} of {pg.world}: {error}\n"
+                "If another rank failed first, its error is the cause: a rank that stops taking part "
+                "in the step's collectives makes every other rank's collectives fail (at the latest "
+                "after the process group's timeout).") from error
+
+    def _step_eagerly(self, outputs: list) -> None:
+        gradients = {i: outputs[self.captured.gradient_outputs[name]] for i, name in self.names.items()}
+        _eager(self.sharded.step_eagerly)(gradients)
+
+    def _update_source(self):
+        shard_optimizer = self.sharded.shard_optimizer
+        if shard_optimizer is None:
+            return None, {}
+        return shard_optimizer, {self.sharded.shard_name(b): self.sharded.shards[b.index]
+                                 for b in self.sharded.layout.buckets if b.index in self.sharded.shards}
+
+    def _make_plan(self, harvested, lr_index, state_index):
+        from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan
+
+        return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
+                                    in_backward=self.options.optimizer_in_backward)
+
+
+def _eager(fn: Callable) -> Callable:
+    return torch._dynamo.disable(fn)

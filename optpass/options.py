@@ -48,6 +48,16 @@ OPTIONS: tuple[Option, ...] = (
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
     Option("clip_grad_norm", (type(None), float, int), None,
            "with optimizer_in_backward: exact global-norm clipping to this max norm (one extra backward)"),
+    Option("data_parallel", (type(None), str), None,
+           "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph",
+           choices=(None, "zero1")),
+    Option("process_group", (object,), None,
+           "with data_parallel: the torch.distributed process group (None: the default WORLD group)"),
+    Option("partition", (str,), "even",
+           "with data_parallel: 'even' (flat buckets split evenly) or 'greedy' (whole parameters, sorted-greedy)",
+           choices=("even", "greedy")),
+    Option("bucket_bytes", (int,), 25 * 1024 * 1024,
+           "with data_parallel: gradient bucket size in bytes (one reduce-scatter + all-gather per bucket)"),
     Option("pipeline_parallel_degree", (int,), 1,
            "declared pipeline-parallel degree (optimizer_in_backward refuses > 1)"),
     Option("expert_parallel_degree", (int,), 1,
@@ -67,6 +77,10 @@ class Options:
     optimizer_in_backward: bool = False
     accumulation_steps: int = 1
     clip_grad_norm: float | None = None
+    data_parallel: str | None = None
+    process_group: Any = None
+    partition: str = "even"
+    bucket_bytes: int = 25 * 1024 * 1024
     pipeline_parallel_degree: int = 1
     expert_parallel_degree: int = 1
 
@@ -95,7 +109,8 @@ class Options:
 
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
-        return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm))
+        return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
+                     self.data_parallel, self.partition, self.bucket_bytes))
 
 
 def _check_type(option: Option, value: Any) -> None:
@@ -121,6 +136,15 @@ def _check_combinations(options: Options) -> None:
     if options.clip_grad_norm is not None and (not options.optimizer_in_backward or options.clip_grad_norm <= 0):
         raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward; without "
                            "optimizer_in_backward call torch.nn.utils.clip_grad_norm_ in the step")
+    if options.data_parallel is not None:
+        if options.optimizer is None:
+            raise OptpassError("data_parallel='zero1' needs the optimizer: "
+                               "options={'optimizer': opt, 'data_parallel': 'zero1'}")
+        if options.clip_grad_norm is not None or options.accumulation_steps > 1:
+            raise OptpassError("data_parallel='zero1' does not support clip_grad_norm or "
+                               "accumulation_steps yet; train without them, or without data_parallel")
+        if options.bucket_bytes < 1:
+            raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
     if options.accumulation_steps < 1:
         raise OptpassError(f"accumulation_steps must be >= 1, got {options.accumulation_steps}")
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:

@@ -35,7 +35,7 @@ import torch.fx
 
 from optpass.capture import GraphKind
 from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, optimizer_in_backward,
-                            per_sample_grad_norm)
+                            per_sample_grad_norm, shard_optimizer)
 
 log = logging.getLogger("optpass")
 
@@ -54,6 +54,8 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
+    # ZeRO-1: reduce-scatter, this rank's shard update, all-gather, in the graph (opt-in).
+    GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,)),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
     GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,
               applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.OTHER)),

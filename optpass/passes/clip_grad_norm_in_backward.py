@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes.optimizer_in_backward import CONTEXT_KEY, _gradient_value
+from optpass.passes.optimizer_in_backward import CONTEXT_KEY, gradient_value
 from optpass.step import BACKWARD, GRADIENT_TRANSFORM
 
 aten = torch.ops.aten
@@ -49,7 +49,7 @@ def run(step, options) -> str | None:
 def clip_fused_gradients(step, names: list[str], max_norm: float) -> None:
     graph = step.graph
     emit = step.emit
-    values = {name: _gradient_value(step.gradient_nodes[name]) for name in names}
+    values = {name: gradient_value(step.gradient_nodes[name]) for name in names}
     to_copy = _backward_cone(step, list(values.values()))
     first_backward = next(n for n in graph.nodes if n in to_copy)
 

@@ -190,3 +190,47 @@ def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
             "What to do: keep the global transform (clip_grad_norm_, GradScaler, ...) and drop "
             "optimizer_in_backward, or remove the transform (per-parameter transforms such as "
             "p.grad.mul_(c) or per-parameter clipping stay legal).")
+
+
+def check_zero1(captured: CapturedGraph, options) -> None:
+    """data_parallel='zero1' averages raw gradients across ranks inside the update: prove the step
+    hands it raw gradients (the ops between backward() and opt.step() would see this rank's
+    gradients only, where DDP's would see averaged ones)."""
+    if captured.kind is GraphKind.FORWARD:
+        where = f" ({captured.split_line})" if captured.split_line else ""
+        raise OptpassError(
+            f"data_parallel='zero1' needs backward() inside the compiled step, but the step stops "
+            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
+            f"`{SUPPORTED_SHAPE}`.")
+    if captured.kind is not GraphKind.STEP:
+        return
+    _refuse_unseen_gradient_transforms(captured)
+    _refuse_parallel_collectives(captured.gm.graph)
+    if captured.accumulating:
+        raise OptpassError(
+            "data_parallel='zero1': this step accumulates into existing .grad tensors "
+            f"({', '.join(sorted(captured.accumulating)[:3])}); zero1 averages and applies the "
+            "gradients of each step. Call opt.zero_grad() in every step (gradient accumulation "
+            "with zero1 is not supported yet).")
+    labels, _ = gradient_labels(captured)
+    for node in captured.gm.graph.nodes:
+        if node not in labels or _is_gradient_plumbing(node):
+            continue
+        where = node_user_line(node)
+        raise OptpassError(
+            f"data_parallel='zero1' refused: the step transforms gradients before opt.step() at "
+            f"{where or node.name}. zero1 averages gradients across ranks inside the update, so this "
+            "code would see one rank's gradients, not the averaged ones DDP gives it (clipping would "
+            "clip the wrong norm). Remove the transform from the step (e.g. scale the loss "
+            "instead), or train without data_parallel.")
+
+
+def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
+    """getitem of autograd.grad's result and Dynamo's empty_like(p).copy_(g) into p.grad."""
+    if node.target is operator.getitem:
+        return getattr(node.args[0], "target", None) is torch.autograd.grad
+    if node.target is torch.empty_like:
+        return True
+    if node.target in ("copy_", torch.Tensor.copy_) and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0].target is torch.empty_like and node.args[1].target is operator.getitem
+    return False

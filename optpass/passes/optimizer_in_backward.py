@@ -53,15 +53,34 @@ def run(step, options) -> str | None:
 def splice_updates(step, plan) -> None:
     """Insert each parameter's harvested update after its gradient is final; drop the gradient output."""
     graph = step.graph
-    inputs = _placeholders_by_dynamo_index(graph)
-    # First drop the gradient outputs and what only existed to fill .grad (Dynamo's
-    # empty_like + copy, the accumulate-into-.grad write), so they neither keep the
-    # gradient alive nor count as late reads of the parameter.
-    output = step.output_node
+    inputs = placeholders_by_dynamo_index(graph)
+    gradient_values = take_gradient_outputs(step, list(plan.harvested.updates))
+    # Positions of the original nodes, once: every node an update must follow is one of them
+    # (a slice reads only its own parameter), so later insertions do not change the answer.
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for name, update in plan.harvested.updates.items():
+        env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
+        env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
+        env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
+        anchor = last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
+        with graph.inserting_before(anchor.next):  # keeps the slice's order
+            inserted = copy_slice(step, update, env)
+        for node in inserted:
+            node.meta[REGION_KEY] = UPDATE
+    step.gradient_nodes.clear()
+
+
+def take_gradient_outputs(step, names: list[str]) -> dict[str, torch.fx.Node]:
+    """Put None in the gradient output slots of `names`; return each one's gradient value.
+
+    Also drops what only existed to fill .grad (Dynamo's empty_like + copy, the
+    accumulate-into-.grad write), so it neither keeps the gradient alive nor
+    counts as a late read of the parameter."""
+    graph, output = step.graph, step.output_node
     outputs = list(output.args[0])
     gradient_values = {}
-    for name in plan.harvested.updates:
-        gradient_values[name] = _gradient_value(step.gradient_nodes[name])
+    for name in names:
+        gradient_values[name] = gradient_value(step.gradient_nodes[name])
         outputs[step.gradient_slots[name]] = None
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for name, value in gradient_values.items():
@@ -71,22 +90,10 @@ def splice_updates(step, plan) -> None:
             graph.erase_node(gradient)
             if destination.op != "placeholder" and not destination.users:
                 graph.erase_node(destination)    # Dynamo's empty_like(p)
-    # Positions of the original nodes, once: every node an update must follow is one of them
-    # (a slice reads only its own parameter), so later insertions do not change the answer.
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for name, update in plan.harvested.updates.items():
-        env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
-        env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
-        env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
-        anchor = _last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
-        with graph.inserting_before(anchor.next):  # keeps the slice's order
-            inserted = _copy_slice(step, update, env)
-        for node in inserted:
-            node.meta[REGION_KEY] = UPDATE
-    step.gradient_nodes.clear()
+    return gradient_values
 
 
-def _placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
+def placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
     found = {}
     for node in graph.nodes:
         desc = node.meta.get("desc")
@@ -95,7 +102,7 @@ def _placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.N
     return found
 
 
-def _gradient_value(gradient: torch.fx.Node) -> torch.fx.Node:
+def gradient_value(gradient: torch.fx.Node) -> torch.fx.Node:
     """The value the update reads, skipping the writes that only exist to fill `.grad`.
 
     `copy_(grad_input, old + new)` (accumulation into an existing .grad) -> `old + new`;
@@ -128,12 +135,16 @@ def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
     return readers
 
 
-def _last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
+def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
     must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
     return max(must_follow, key=position.__getitem__)
 
 
-def _copy_slice(step, update, env) -> list[torch.fx.Node]:
+def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Node]:
+    """Copy the slice into the graph at the insert point; `env` maps its placeholders to values.
+
+    Writes its new values into the state (and, if `write_param`, the parameter) with
+    in-place copy_; `env` afterwards maps every slice node to its copy."""
     inserted = []
     for node in update.nodes:
         copy = step.graph.node_copy(node, lambda n: env[n])
@@ -142,5 +153,7 @@ def _copy_slice(step, update, env) -> list[torch.fx.Node]:
         env[node] = copy
         inserted.append(copy)
     for target, value in update.writes.items():
+        if target is update.param and not write_param:
+            continue
         inserted.append(step.emit(torch.ops.aten.copy_.default, env[target], env[value]))
     return inserted

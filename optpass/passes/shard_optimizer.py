@@ -1,0 +1,180 @@
+"""Pass shard_optimizer: ZeRO-1 inside the compiled step, with functional collectives.
+
+Precondition: a step graph (forward + backward, fact 19's supported shape) whose
+gradients are the raw gradients of autograd (legality: no gradient transform
+runs before the update, since the gradients are averaged across ranks here);
+the bucket layout and this rank's shard optimizer (``optpass/zero1.py``); the
+shard optimizer's update harvested from torch.optim (``harvest.py``: one
+"parameter" per bucket, this rank's flat chunk), with its state tensors and
+each group's lr as extra inputs (``fused_update.ShardedStep`` adds them).
+
+Rewrite, per bucket, with the ``_c10d_functional`` ops Inductor knows (facts 7, 15):
+
+    flat  = cat([view(g, [-1])[segment] ... , zeros(pad)])   # rank-major: chunk r = rank r's piece
+    chunk = wait_tensor(reduce_scatter_tensor(flat, "avg", N, group))     # this rank's averaged gradients
+    shard = cat([view(p, [-1])[segment] for this rank's segments])        # its current parameter values
+    new   = <torch.optim update of (shard, chunk[:owned], state, lr)>     # state: copy_ in place
+    full  = wait_tensor(all_gather_into_tensor(cat([new, zeros(pad)]), N, group))
+    copy_(p, view(cat(full[pieces of p]), p.shape))        # for each parameter of the bucket
+
+and every bucketed gradient's output slot becomes None (``p.grad`` stays None,
+the step's ``opt.step()`` does nothing: fact 4).
+
+Placement: without optimizer_in_backward the buckets run after backward, in
+bucket order (ZeroRedundancyOptimizer's semantics, in one graph). With it,
+each bucket runs as soon as its gradients are final and every read of its
+parameters' old values is done (fact 21): during backward, and each gradient
+dies at its bucket's reduce-scatter.
+
+Effect: optimizer state is 1/N per rank; per step, reduce-scatter + all-gather
+move exactly DDP's all-reduce volume (even partition; greedy adds padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from optpass.errors import OptpassError
+from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
+                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.step import REGION_KEY, UPDATE
+
+CONTEXT_KEY = "sharded_update"
+
+aten = torch.ops.aten
+functional = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass
+class ShardPlan:
+    sharded: object                            # zero1.ShardedOptimizer
+    names: dict[int, str]                      # parameter index (optimizer order) -> name in the step
+    harvested: object | None                   # HarvestedUpdate of the shard optimizer (None: owns nothing)
+    lr_index: dict[int, int]                   # param group -> Dynamo input index
+    state_index: dict[tuple[str, str], int]    # (shard name, state key) -> Dynamo input index
+    in_backward: bool
+
+    def digest(self) -> str:
+        """What makes this rank's rewritten graph differ from another's (Inductor cache key)."""
+        return f"rank{self.sharded.rank}-{self.sharded.layout.digest()}-{self.in_backward}"
+
+
+def run(step, options) -> str | None:
+    plan = step.context.get(CONTEXT_KEY)
+    if plan is None:
+        return ("not requested (options data_parallel)" if options.data_parallel != "zero1"
+                else "this compile keeps gradients (first update runs eagerly)")
+    shard_update(step, plan)
+    step.notes.append(_summary(plan))
+    return None
+
+
+def _summary(plan: ShardPlan) -> str:
+    sharded, layout = plan.sharded, plan.sharded.layout
+    return (f"rank {sharded.rank} of {layout.world}: {len(layout.buckets)} bucket(s), "
+            f"{layout.partition} partition, {layout.collective_elements()} elements per "
+            f"reduce-scatter/all-gather pass, {'during' if plan.in_backward else 'after'} backward")
+
+
+def shard_update(step, plan: ShardPlan) -> None:
+    graph = step.graph
+    sharded, layout = plan.sharded, plan.sharded.layout
+    missing = [plan.names.get(i, f"#{i}") for b in layout.buckets for i in b.params
+               if plan.names.get(i) not in step.gradient_nodes]
+    if missing:
+        raise OptpassError(
+            f"data_parallel='zero1': parameter(s) {', '.join(missing[:3])} are in the optimizer and "
+            "require grad but get no gradient in this step; every rank must update every bucket. "
+            "Set requires_grad=False on unused parameters or leave them out of the optimizer.")
+    gradients = take_gradient_outputs(step, [plan.names[i] for b in layout.buckets for i in b.params])
+    inputs = placeholders_by_dynamo_index(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    end = step.output_node.prev
+    for bucket in layout.buckets:
+        names = [plan.names[i] for i in bucket.params]
+        if plan.in_backward:
+            anchor = max((last_node_update_must_follow(position, step.param_nodes[n], gradients[n])
+                          for n in names), key=position.__getitem__)
+        else:
+            anchor = end
+        with graph.inserting_before(anchor.next):   # keeps the emitted order
+            inserted = _Emitter(step)
+            _emit_bucket(inserted, plan, bucket, gradients, inputs)
+        for node in inserted.nodes:
+            node.meta[REGION_KEY] = UPDATE
+        if not plan.in_backward:
+            end = inserted.nodes[-1]
+    step.gradient_nodes.clear()
+
+
+class _Emitter:
+    """StepGraph.emit that remembers what it inserted, in order."""
+
+    def __init__(self, step):
+        self.step, self.nodes = step, []
+
+    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        node = self.step.emit(target, *args, **kwargs)
+        self.nodes.append(node)
+        return node
+
+    def flat(self, value: torch.fx.Node) -> torch.fx.Node:
+        if not value.meta["val"].is_contiguous():
+            value = self(aten.clone.default, value, memory_format=torch.contiguous_format)
+        return self(aten.view.default, value, [-1])
+
+    def piece(self, flat: torch.fx.Node, start: int, stop: int, numel: int) -> torch.fx.Node:
+        return flat if (start, stop) == (0, numel) else self(aten.slice.Tensor, flat, 0, start, stop)
+
+    def cat(self, pieces: list[torch.fx.Node]) -> torch.fx.Node:
+        return pieces[0] if len(pieces) == 1 else self(aten.cat.default, pieces)
+
+    def zeros(self, like: torch.fx.Node, n: int) -> torch.fx.Node:
+        val = like.meta["val"]
+        return self(aten.full.default, [n], 0.0, dtype=val.dtype, layout=torch.strided,
+                    device=val.device, pin_memory=False)
+
+
+def _emit_bucket(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict, inputs: dict) -> None:
+    sharded, layout = plan.sharded, plan.sharded.layout
+    world, rank, group_name = layout.world, sharded.rank, sharded.pg.name
+    numel = {i: layout.shapes[i].numel() for i in bucket.params}
+    flat_grad = {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
+    pieces = []
+    for segments in bucket.segments:
+        pieces += [emit.piece(flat_grad[s.param], s.start, s.stop, numel[s.param]) for s in segments]
+        used = sum(s.numel for s in segments)
+        if used < bucket.chunk:
+            pieces.append(emit.zeros(flat_grad[bucket.params[0]], bucket.chunk - used))
+    scattered = emit(functional.reduce_scatter_tensor.default, emit.cat(pieces), "avg", world, group_name)
+    chunk = emit(functional.wait_tensor.default, scattered)
+    owned = bucket.owned(rank)
+    if owned:
+        params = {i: plan.names[i] for i in bucket.params}
+        shard = emit.cat([emit.piece(emit.flat(emit.step.param_nodes[params[s.param]]), s.start, s.stop,
+                                     numel[s.param]) for s in bucket.segments[rank]])
+        gradient = emit.piece(chunk, 0, owned, bucket.chunk)
+        new_shard = _emit_update(emit, plan, sharded.shard_name(bucket), shard, gradient, inputs)
+        mine = new_shard if owned == bucket.chunk else emit.cat([new_shard, emit.zeros(chunk, bucket.chunk - owned)])
+    else:
+        mine = emit.zeros(chunk, bucket.chunk)
+    gathered = emit(functional.wait_tensor.default,
+                    emit(functional.all_gather_into_tensor.default, mine, world, group_name))
+    for i in bucket.params:
+        parts = [emit(aten.slice.Tensor, gathered, 0, r * bucket.chunk + s.offset,
+                      r * bucket.chunk + s.offset + s.numel) for r, s in bucket.segments_of(i)]
+        value = emit(aten.view.default, emit.cat(parts), list(layout.shapes[i]))
+        emit(aten.copy_.default, emit.step.param_nodes[plan.names[i]], value)
+
+
+def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradient, inputs) -> torch.fx.Node:
+    """torch.optim's update of this rank's shard, copied from the harvested graph; its new value."""
+    update = plan.harvested.updates[shard_name]
+    env = {update.param: shard, update.gradient: gradient}
+    env.update({ph: inputs[plan.state_index[(shard_name, key)]] for key, ph in update.states.items()})
+    env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
+    emit.nodes += copy_slice(emit.step, update, env, write_param=False)
+    return env[update.writes[update.param]]

@@ -1,0 +1,379 @@
+"""ZeRO-1 for a single-device step: buckets, partitions and the sharded optimizer state.
+
+``options={"optimizer": opt, "data_parallel": "zero1"}`` trains the user's
+single-device step data-parallel over a torch.distributed process group. This
+module holds what does not live in a graph:
+
+* **layout** — the optimizer's trainable parameters in buckets (reverse
+  parameter order, like DDP: the last layers' gradients are final first; a
+  bucket never spans two param groups or dtypes, and holds up to
+  ``bucket_bytes``). Each bucket is split over the N ranks by one of two
+  partitions:
+
+  - ``"even"`` (default, DeepSpeed's): the bucket's flat concatenation, padded to
+    a multiple of N, in N equal chunks; a parameter may be split across ranks.
+    Collective bytes equal DDP's all-reduce; needs an elementwise optimizer
+    (every torch.optim optimizer but Adafactor/LBFGS/SparseAdam).
+  - ``"greedy"`` (ZeroRedundancyOptimizer's sorted-greedy): whole parameters,
+    largest first, each to the rank with the least state so far; a rank's chunk
+    is padded to the bucket's largest, so collectives may carry padding.
+
+* **sharded state** — a torch.optim optimizer of the user's class and
+  hyper-parameters whose parameters are this rank's chunks (one flat tensor per
+  bucket): its state is 1/N of the unsharded state. The user's optimizer never
+  steps and never allocates state. ``optimizer_state_dict``/``load_optimizer``
+  save and load it with torch.distributed.checkpoint in a layout-free form
+  (one flat tensor per parameter and state key), so a checkpoint written on
+  N ranks resumes on M.
+
+* **the first update** — torch.optim creates its state lazily (SGD's momentum
+  buffer is the first gradient), so the first update runs eagerly here
+  (``step_eagerly``) with the same functional collectives; from the second on,
+  the ``shard_optimizer`` pass puts collectives and update into the step graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import math
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.distributed as dist
+
+from optpass.errors import OptpassError
+
+PARTITIONS = ("even", "greedy")
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
+
+_functional = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of flattened parameter `param`, at `offset` in its rank's chunk."""
+
+    param: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclasses.dataclass
+class Bucket:
+    index: int
+    group: int
+    params: list[int]                    # parameter indices, in bucket order
+    chunk: int                           # elements per rank in the collectives
+    segments: list[list[Segment]]        # per rank, in chunk order
+
+    def owned(self, rank: int) -> int:
+        """Elements of real parameters in `rank`'s chunk (the rest is padding)."""
+        return sum(s.numel for s in self.segments[rank])
+
+    def segments_of(self, param: int) -> list[tuple[int, Segment]]:
+        """(rank, segment) pieces of one parameter, in flat-parameter order."""
+        found = [(r, s) for r, segs in enumerate(self.segments) for s in segs if s.param == param]
+        return sorted(found, key=lambda rs: rs[1].start)
+
+
+@dataclasses.dataclass
+class Layout:
+    world: int
+    partition: str
+    buckets: list[Bucket]
+    shapes: list[torch.Size]             # per parameter index (optimizer order)
+
+    def bucket_of(self, param: int) -> Bucket:
+        return next(b for b in self.buckets if param in b.params)
+
+    def collective_elements(self) -> int:
+        """Elements sent through reduce-scatter (= through all-gather) per step, all buckets."""
+        return sum(self.world * b.chunk for b in self.buckets)
+
+    def digest(self) -> str:
+        text = repr((self.world, self.partition, [(b.group, b.chunk, b.segments) for b in self.buckets]))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def trainable_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:
+    """(group, parameter) for every parameter ZeRO-1 updates, in optimizer order."""
+    return [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]
+            if p.requires_grad]
+
+
+def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: str,
+                 bucket_bytes: int) -> Layout:
+    if partition not in PARTITIONS:
+        raise OptpassError(f"zero1 partition must be one of {PARTITIONS}, got {partition!r}")
+    buckets: list[Bucket] = []
+    current: list[int] = []
+
+    def close() -> None:
+        if current:
+            buckets.append(_partition(len(buckets), params[current[0]][0], list(current), params,
+                                      world, partition, loads))
+            current.clear()
+
+    loads = [0] * world                  # greedy: elements assigned to each rank so far
+    size = 0
+    for index in reversed(range(len(params))):
+        group, p = params[index]
+        if current:
+            first_group, first = params[current[0]]
+            if group != first_group or p.dtype != first.dtype or size + p.numel() * p.element_size() > bucket_bytes:
+                close()
+                size = 0
+        current.append(index)
+        size += p.numel() * p.element_size()
+    close()
+    return Layout(world, partition, buckets, [p.shape for _, p in params])
+
+
+def _partition(index, group, members, params, world, partition, loads) -> Bucket:
+    numel = {i: params[i][1].numel() for i in members}
+    segments: list[list[Segment]] = [[] for _ in range(world)]
+    if partition == "even":
+        total = sum(numel.values())
+        chunk = max(1, math.ceil(total / world))
+        position = 0
+        for i in members:
+            start = position
+            while start < position + numel[i]:
+                rank = start // chunk
+                stop = min(position + numel[i], (rank + 1) * chunk)
+                segments[rank].append(Segment(i, start - position, stop - position, start - rank * chunk))
+                start = stop
+            position += numel[i]
+    else:
+        owner = {}
+        for i in sorted(members, key=lambda i: (-numel[i], i)):
+            rank = min(range(world), key=lambda r: (loads[r], r))
+            owner[i] = rank
+            loads[rank] += numel[i]
+        for i in members:                 # bucket order within each rank's chunk
+            rank = owner[i]
+            offset = sum(s.numel for s in segments[rank])
+            segments[rank].append(Segment(i, 0, numel[i], offset))
+        chunk = max(1, max(sum(s.numel for s in segs) for segs in segments))
+    return Bucket(index, group, members, chunk, segments)
+
+
+# ---------------------------------------------------------------- sharded state
+
+@dataclasses.dataclass
+class ProcessGroupInfo:
+    group: Any
+    rank: int
+    world: int
+
+    @property
+    def name(self) -> str:
+        return self.group.group_name
+
+    @staticmethod
+    def of(group) -> "ProcessGroupInfo":
+        if not dist.is_available() or not dist.is_initialized():
+            raise OptpassError(
+                "data_parallel='zero1' needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (e.g. run under torchrun; gloo on CPU, "
+                "nccl on GPU).")
+        group = group if group is not None else dist.group.WORLD
+        return ProcessGroupInfo(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+class ShardedOptimizer:
+    """This rank's shard of `optimizer`: a torch.optim optimizer over its chunk of each bucket."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pg: ProcessGroupInfo, partition: str,
+                 bucket_bytes: int):
+        self.optimizer, self.pg = optimizer, pg
+        self.partition, self.bucket_bytes = partition, bucket_bytes
+        self.params = trainable_params(optimizer)
+        if not self.params:
+            raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
+        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes)
+        # One flat shard per bucket this rank owns elements of, named like a parameter.
+        self.shards: dict[int, torch.Tensor] = {}
+        for bucket in self.layout.buckets:
+            owned = bucket.owned(pg.rank)
+            if owned:
+                p = self.params[bucket.params[0]][1]
+                self.shards[bucket.index] = torch.zeros(owned, dtype=p.dtype, device=p.device)
+        self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
+        self.steps = 0
+
+    @property
+    def rank(self) -> int:
+        return self.pg.rank
+
+    def shard_name(self, bucket: Bucket) -> str:
+        return f"bucket{bucket.index}"
+
+    def _make_shard_optimizer(self) -> torch.optim.Optimizer:
+        cls = type(self.optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+        groups = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            shard_params = [self.shards[b.index] for b in self.layout.buckets
+                            if b.group == g and b.index in self.shards]
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**settings, "params": shard_params})
+        try:
+            shard = cls(groups, **defaults)
+        except (TypeError, ValueError) as error:
+            raise OptpassError(f"data_parallel='zero1': could not build a {cls.__name__} over this "
+                               f"rank's shards ({error}).") from error
+        return shard
+
+    def sync_lr(self) -> None:
+        """The user's scheduler changes the user's optimizer: the shard optimizer follows."""
+        if self.shard_optimizer is None:
+            return
+        for mine, theirs in zip(self.shard_optimizer.param_groups, self.optimizer.param_groups):
+            mine["lr"] = theirs["lr"]
+
+    def state_bytes(self) -> int:
+        if self.shard_optimizer is None:
+            return 0
+        return sum(t.numel() * t.element_size() for state in self.shard_optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor))
+
+    # -------------------------------------------------------------- the eager update
+
+    @torch.no_grad()
+    def step_eagerly(self, gradients: dict[int, torch.Tensor]) -> None:
+        """The reference ZeRO-1 update (and torch.optim's state creation): same collectives as the graph."""
+        rank, world = self.pg.rank, self.pg.world
+        for bucket in self.layout.buckets:
+            flat_grads = torch.cat(bucket_input(bucket, world, lambda i: gradients[i]))
+            grad_chunk = _wait(_functional.reduce_scatter_tensor(flat_grads, "avg", world, self.pg.name))
+            shard = self.shards.get(bucket.index)
+            if shard is not None:
+                shard.copy_(torch.cat([self.params[s.param][1].reshape(-1)[s.start:s.stop]
+                                       for s in bucket.segments[rank]]))
+                shard.grad = grad_chunk[:shard.numel()].clone()
+        if self.shard_optimizer is not None:
+            self.sync_lr()
+            self.shard_optimizer.step()
+            self.shard_optimizer.zero_grad(set_to_none=True)
+        for bucket in self.layout.buckets:
+            shard = self.shards.get(bucket.index)
+            mine = shard if shard is not None else self._zeros(bucket, 0)
+            padded = torch.cat([mine, self._zeros(bucket, bucket.chunk - mine.numel())])
+            gathered = _wait(_functional.all_gather_into_tensor(padded, world, self.pg.name))
+            for i in bucket.params:
+                self.params[i][1].copy_(param_from_gathered(bucket, i, gathered, self.layout.shapes[i]))
+        self.steps += 1
+
+    def _zeros(self, bucket: Bucket, n: int) -> torch.Tensor:
+        p = self.params[bucket.params[0]][1]
+        return torch.zeros(n, dtype=p.dtype, device=p.device)
+
+
+def bucket_input(bucket: Bucket, world: int, flat_of) -> list:
+    """The pieces, rank by rank, whose concatenation is the bucket's reduce-scatter input.
+
+    `flat_of(i)` returns parameter i's gradient; pieces are its flat slices and
+    zero padding (as torch tensors eagerly, or as whatever `flat_of` builds)."""
+    pieces = []
+    for rank in range(world):
+        used = 0
+        for s in bucket.segments[rank]:
+            pieces.append(flat_of(s.param).reshape(-1)[s.start:s.stop])
+            used += s.numel
+        if used < bucket.chunk:
+            g = flat_of(bucket.params[0])
+            pieces.append(g.new_zeros(bucket.chunk - used))
+    return pieces
+
+
+def param_from_gathered(bucket: Bucket, param: int, gathered: torch.Tensor, shape) -> torch.Tensor:
+    pieces = [gathered[r * bucket.chunk + s.offset: r * bucket.chunk + s.offset + s.numel]
+              for r, s in bucket.segments_of(param)]
+    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return flat.view(shape)
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return _functional.wait_tensor(tensor)
+
+
+# ---------------------------------------------------------------- sessions and checks
+
+_SHARDED: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, partition: str = "even",
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      names: dict[int, str] | None = None) -> ShardedOptimizer:
+    """The sharded state of `optimizer` on this rank (created once; later calls must agree)."""
+    pg = ProcessGroupInfo.of(process_group)
+    existing = _SHARDED.get(optimizer)
+    if existing is not None:
+        wanted = (pg.group, partition, bucket_bytes)
+        if (existing.pg.group, existing.partition, existing.bucket_bytes) != wanted:
+            raise OptpassError(
+                "data_parallel='zero1': this optimizer is already sharded with process group "
+                f"{existing.pg.name}, partition {existing.partition!r}, bucket_bytes "
+                f"{existing.bucket_bytes}; compile every step that uses it with the same options.")
+        return existing
+    check_ranks_agree(optimizer, pg, partition, bucket_bytes, names)
+    broadcast_parameters(optimizer, pg)
+    sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes)
+    _SHARDED[optimizer] = sharded
+    return sharded
+
+
+def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: int,
+              names: dict[int, str] | None = None) -> list[tuple[str, Any]]:
+    """What must be identical on every rank, as (what, value) pairs in a fixed order."""
+    names = names or {}
+    items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__name__),
+                                    ("partition", partition), ("bucket_bytes", bucket_bytes),
+                                    ("param groups", len(optimizer.param_groups))]
+    for g, group in enumerate(optimizer.param_groups):
+        settings = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+                    for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+        items.append((f"param group {g} hyper-parameters", repr(sorted(settings.items()))))
+        items.append((f"param group {g} size", len(group["params"])))
+    for index, (g, p) in enumerate(trainable_params(optimizer)):
+        label = names.get(id(p), f"#{index}")
+        items.append((f"parameter {index} ({label}) of group {g}", (tuple(p.shape), str(p.dtype))))
+    return items
+
+
+def check_ranks_agree(optimizer, pg: ProcessGroupInfo, partition: str, bucket_bytes: int,
+                      names: dict[int, str] | None = None) -> None:
+    """Every rank must train the same parameters with the same optimizer: compare with rank 0."""
+    mine = signature(optimizer, partition, bucket_bytes, names)
+    everyone: list = [None] * pg.world
+    dist.all_gather_object(everyone, mine, group=pg.group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        for (what, ref_value), (_, value) in zip(reference, theirs):
+            if ref_value != value:
+                raise OptpassError(
+                    f"data_parallel='zero1': the ranks do not train the same model: {what} is "
+                    f"{ref_value!r} on rank 0 but {value!r} on rank {rank}. Every rank must build the "
+                    "same model and optimizer (same parameters, shapes, dtypes, groups and settings).")
+        if len(theirs) != len(reference):
+            raise OptpassError(
+                f"data_parallel='zero1': the ranks do not train the same model: rank 0 has "
+                f"{len(reference)} signature entries, rank {rank} has {len(theirs)} (a different "
+                "number of parameters or param groups).")
+
+
+@torch.no_grad()
+def broadcast_parameters(optimizer, pg: ProcessGroupInfo) -> None:
+    """Start every rank from rank 0's parameters, as DDP does."""
+    for _, p in trainable_params(optimizer):
+        dist.broadcast(p.data, src=dist.get_global_rank(pg.group, 0), group=pg.group)
