@@ -18,7 +18,9 @@ from optpass.step import StepGraph
 __version__ = "0.1.0"
 
 _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
-         "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory"}
+         "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
+         "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
+         "optimizer_state_dict": "optpass.checkpoint"}
 
 
 def __getattr__(name):
@@ -32,4 +34,5 @@ __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
     "estimate_peak_memory", "MemoryEstimate", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
+    "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict",
 ]

@@ -112,6 +112,10 @@ class OptimizerInBackwardStep:
         """The optimizer whose update goes into the graph, and its parameters by name."""
         return self.optimizer, self.fused
 
+    def _lr(self, group: int):
+        """The current lr of param group `group` of the harvested optimizer (a scheduler changes it)."""
+        return self.optimizer.param_groups[group]["lr"]
+
     def _make_plan(self, harvested, lr_index: dict, state_index: dict) -> tuple[str, Any]:
         return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index)
 
@@ -119,7 +123,7 @@ class OptimizerInBackwardStep:
     def _compile_fused(self, args: list) -> None:
         optimizer, names = self._update_source()
         harvested = harvest_update(optimizer, names) if names else None
-        groups = sorted(harvested.lr) if harvested else []
+        groups = harvested.groups if harvested else []
         state_keys = [(name, key) for name, update in harvested.updates.items()
                       for key in update.states] if harvested else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
@@ -130,13 +134,13 @@ class OptimizerInBackwardStep:
             lr_index={g: first_extra + i for i, g in enumerate(groups)},
             state_index={nk: first_extra + len(groups) + i for i, nk in enumerate(state_keys)})
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
-                    if not isinstance(self.optimizer.param_groups[g]["lr"], torch.Tensor)}
+                    if not isinstance(self._lr(g), torch.Tensor)}
         params = {name: names[name] for name, _ in state_keys}
 
         def extras() -> list:
             lrs = []
             for g in groups:
-                lr = self.optimizer.param_groups[g]["lr"]
+                lr = self._lr(g)
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
             return lrs + [optimizer.state[params[name]][key] for name, key in state_keys]
 
@@ -244,6 +248,9 @@ class ShardedStep(OptimizerInBackwardStep):
             return None, {}
         return shard_optimizer, {self.sharded.shard_name(b): self.sharded.shards[b.index]
                                  for b in self.sharded.layout.buckets if b.index in self.sharded.shards}
+
+    def _lr(self, group: int):
+        return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
 
     def _make_plan(self, harvested, lr_index, state_index):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan

@@ -38,13 +38,18 @@ class ParameterUpdate:
     states: dict[str, torch.fx.Node]           # state key -> placeholder
     nodes: list[torch.fx.Node]                 # the slice, in graph order
     writes: dict[torch.fx.Node, torch.fx.Node]  # placeholder (param or state) -> its new value
+    lr: dict[torch.fx.Node, int]               # lr placeholder the slice reads -> its param group
 
 
 @dataclasses.dataclass
 class HarvestedUpdate:
-    graph: torch.fx.Graph
+    graphs: list[torch.fx.Graph]               # one per graph torch.optim's step compiled to
     updates: dict[str, ParameterUpdate]        # by parameter name
-    lr: dict[int, torch.fx.Node]               # param group -> lr placeholder
+
+    @property
+    def groups(self) -> list[int]:
+        """The param groups whose lr the update reads (each becomes one input)."""
+        return sorted({g for update in self.updates.values() for g in update.lr.values()})
 
 
 def _zeros_like(example):
@@ -75,7 +80,7 @@ def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor])
             p.grad = grad
 
 
-def _record_update_graph(optimizer, role_of: dict[int, tuple]) -> tuple[torch.fx.GraphModule, list, dict]:
+def _record_update_graphs(optimizer, role_of: dict[int, tuple]) -> list[tuple[torch.fx.GraphModule, list, dict]]:
     recorded: list[tuple[torch.fx.GraphModule, list, dict]] = []
 
     def recorder(gm, example_inputs):
@@ -92,16 +97,19 @@ def _record_update_graph(optimizer, role_of: dict[int, tuple]) -> tuple[torch.fx
                     for a in output.args[0]]
         return lambda *args: tuple(_zeros_like(e) for e in examples)
 
-    torch.compile(optimizer.step, backend=recorder)()
+    # Some optimizers (SGD) compile one graph per param group; static shapes keep each graph
+    # free of symbolic sizes, so each one lowers to aten on its own.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        torch.compile(optimizer.step, backend=recorder)()
     graphs = [r for r in recorded if any(n.op == "call_function" for n in r[0].graph.nodes)]
     # Dynamo keeps the backend (and so this list) alive for the life of the process: drop the
     # example inputs (the zero gradients, a model's worth of memory) as soon as we have them.
     recorded.clear()
-    if len(graphs) != 1:
+    if not graphs:
         raise OptpassError(
-            f"optimizer_in_backward: {type(optimizer).__name__}.step() did not compile to exactly one "
-            f"graph ({len(graphs)} graphs), so its update cannot be moved into backward.")
-    return graphs[0]
+            f"{type(optimizer).__name__}.step() compiled to no graph, so its update cannot be moved "
+            "into the step graph.")
+    return graphs
 
 
 def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
@@ -120,11 +128,19 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
                     role_of[id(t)] = ("state", (name, key))
         for g, group in enumerate(optimizer.param_groups):
             role_of[id(group["lr"])] = ("lr", g)
-        gm, example_inputs, placeholder_roles = _record_update_graph(optimizer, role_of)
-        attr_roles = {n.target: role_of.get(id(getattr(gm, n.target, None)), ("unknown", n.target))
-                      for n in gm.graph.nodes if n.op == "get_attr"}
-        aten = _to_aten(gm, example_inputs)
-    return _slice_per_parameter(aten, placeholder_roles, attr_roles, group_of, names)
+        updates: dict[str, ParameterUpdate] = {}
+        graphs = []
+        for gm, example_inputs, placeholder_roles in _record_update_graphs(optimizer, role_of):
+            attr_roles = {n.target: role_of.get(id(getattr(gm, n.target, None)), ("unknown", n.target))
+                          for n in gm.graph.nodes if n.op == "get_attr"}
+            aten = _to_aten(gm, example_inputs)
+            graphs.append(aten)
+            updates.update(_slice_per_parameter(aten, placeholder_roles, attr_roles, group_of, names))
+    missing = [name for name in names if name not in updates]
+    if missing:
+        raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
+                           "the optimizer's step (is it in this optimizer's param_groups?).")
+    return HarvestedUpdate(graphs, {name: updates[name] for name in names})
 
 
 def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
@@ -178,10 +194,10 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
                     writes[placeholder_of_desc[desc.mutated_input]] = value
     order = {n: i for i, n in enumerate(graph.nodes)}
     updates = {}
+    lr_group = {node: group for group, node in lr_ph.items()}
     for name in names:
         if name not in param_ph or name not in grad_ph:
-            raise OptpassError(f"optimizer_in_backward: no update for parameter {name!r} was found in "
-                               "the optimizer's step (is it in this optimizer's param_groups?).")
+            continue                                       # updated by another of the step's graphs
         states = [state_ph.get(name, {})[key] for key in sorted(state_ph.get(name, {}))]
         own = {param_ph[name], grad_ph[name], *states}
         # a fixed order (state, then the parameter) keeps the rewritten graph stable run to run
@@ -195,8 +211,9 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
                 "run inside backward.")
         updates[name] = ParameterUpdate(
             name, group_of[id(names[name])], param_ph[name], grad_ph[name], state_ph.get(name, {}),
-            sorted((n for n in nodes if n.op != "placeholder"), key=order.__getitem__), own_writes)
-    return HarvestedUpdate(graph, updates, lr_ph)
+            sorted((n for n in nodes if n.op != "placeholder"), key=order.__getitem__), own_writes,
+            {n: lr_group[n] for n in nodes if n in lr_group})
+    return updates
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:

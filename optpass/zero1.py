@@ -221,12 +221,16 @@ class ShardedOptimizer:
         cls = type(self.optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         defaults = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
-        groups = []
+        # Only groups this rank holds a shard of: torch.optim traces an empty group to no ops, and
+        # Dynamo then skips the update function for every group. user_group maps them back.
+        groups, self.user_group = [], []
         for g, group in enumerate(self.optimizer.param_groups):
             shard_params = [self.shards[b.index] for b in self.layout.buckets
                             if b.group == g and b.index in self.shards]
-            settings = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**settings, "params": shard_params})
+            if shard_params:
+                settings = {k: v for k, v in group.items() if k != "params"}
+                groups.append({**settings, "params": shard_params})
+                self.user_group.append(g)
         try:
             shard = cls(groups, **defaults)
         except (TypeError, ValueError) as error:
@@ -238,8 +242,8 @@ class ShardedOptimizer:
         """The user's scheduler changes the user's optimizer: the shard optimizer follows."""
         if self.shard_optimizer is None:
             return
-        for mine, theirs in zip(self.shard_optimizer.param_groups, self.optimizer.param_groups):
-            mine["lr"] = theirs["lr"]
+        for mine, g in zip(self.shard_optimizer.param_groups, self.user_group):
+            mine["lr"] = self.optimizer.param_groups[g]["lr"]
 
     def state_bytes(self) -> int:
         if self.shard_optimizer is None:

@@ -61,7 +61,7 @@ def splice_updates(step, plan) -> None:
     for name, update in plan.harvested.updates.items():
         env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
         env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
-        env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
+        env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
         anchor = last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = copy_slice(step, update, env)

@@ -81,7 +81,7 @@ def _summary(plan: ShardPlan) -> str:
 
 def shard_update(step, plan: ShardPlan) -> None:
     graph = step.graph
-    sharded, layout = plan.sharded, plan.sharded.layout
+    layout = plan.sharded.layout
     missing = [plan.names.get(i, f"#{i}") for b in layout.buckets for i in b.params
                if plan.names.get(i) not in step.gradient_nodes]
     if missing:
@@ -175,6 +175,6 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
     update = plan.harvested.updates[shard_name]
     env = {update.param: shard, update.gradient: gradient}
     env.update({ph: inputs[plan.state_index[(shard_name, key)]] for key, ph in update.states.items()})
-    env.update({ph: inputs[plan.lr_index[group]] for group, ph in plan.harvested.lr.items()})
+    env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
     emit.nodes += copy_slice(emit.step, update, env, write_param=False)
     return env[update.writes[update.param]]

@@ -1,0 +1,190 @@
+"""Save and load a ZeRO-1 sharded optimizer with torch.distributed.checkpoint (DCP).
+
+Each rank holds its chunk of every bucket (``zero1.py``); the chunk boundaries
+depend on the world size, the partition and the bucket size. A checkpoint
+therefore stores the state in a layout-free form, the one a single process
+would have: for parameter ``i`` (optimizer order) and state key ``k``, a flat
+tensor of ``p.numel()`` elements written as a ShardedTensor whose local shard is
+this rank's piece — a view of its shard state, so DCP writes and reads in place,
+without gathering anything. Scalar state (Adam's ``step``) is written by every
+rank that owns a piece of the parameter (DCP deduplicates it), hyper-parameters
+as the user's ``param_groups``. DCP reads overlapping chunks, so a checkpoint
+saved on N ranks loads on M (ZeroRedundancyOptimizer cannot: pytorch#65650).
+
+    optpass.save_sharded_checkpoint(path, opt, model=model)   # every rank
+    optpass.load_sharded_checkpoint(path, opt, model=model)   # every rank, any world size
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from optpass.errors import OptpassError
+from optpass.zero1 import DEFAULT_BUCKET_BYTES, ShardedOptimizer, _SHARDED, sharded_optimizer
+
+OPTIMIZER_KEY = "optimizer"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP's resharding of arbitrary 1-D chunks goes through ShardedTensor, which warns that
+    DTensor replaces it; DTensor cannot describe a bucket split that cuts a parameter anywhere."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
+
+
+def _sharded(optimizer) -> ShardedOptimizer:
+    sharded = _SHARDED.get(optimizer)
+    if sharded is None:
+        raise OptpassError("this optimizer is not sharded yet: save after the first step of a step "
+                           "compiled with options={'optimizer': opt, 'data_parallel': 'zero1'}.")
+    return sharded
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's part of the optimizer state, in the layout-free form DCP saves."""
+    sharded = _sharded(optimizer)
+    shard_optimizer = sharded.shard_optimizer
+    state: dict[str, dict] = {}
+    for bucket in sharded.layout.buckets:
+        shard = sharded.shards.get(bucket.index)
+        values = shard_optimizer.state.get(shard, {}) if shard is not None else {}
+        for key, value in values.items():
+            for s in bucket.segments[sharded.rank]:
+                state.setdefault(str(s.param), {})[key] = _logical(sharded, bucket, s, shard, key, value)
+    return {"state": state, "param_groups": _param_groups(optimizer)}
+
+
+def _logical(sharded, bucket, segment, shard, key, value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() == 1 and value.shape != shard.shape:
+        return value                                   # per-parameter scalar (step): replicated
+    if value.shape != shard.shape:
+        raise OptpassError(f"zero1 checkpoint: state {key!r} has shape {tuple(value.shape)}, not the "
+                           "shard's; only elementwise optimizer state can be saved sharded.")
+    piece = value[segment.offset: segment.offset + segment.numel]
+    return _sharded_tensor(sharded, bucket, segment.param, piece)
+
+
+def _sharded_tensor(sharded, bucket, param: int, piece: torch.Tensor) -> ShardedTensor:
+    """A 1-D ShardedTensor of the parameter's numel whose only local shard is `piece`."""
+    pg = sharded.pg
+    placements = []
+    mine = None
+    for rank, s in bucket.segments_of(param):
+        metadata = ShardMetadata([s.start], [s.numel], f"rank:{dist.get_global_rank(pg.group, rank)}/{piece.device}")
+        placements.append(metadata)
+        if rank == pg.rank:
+            mine = metadata
+    numel = sharded.layout.shapes[param].numel()
+    global_metadata = ShardedTensorMetadata(
+        placements, torch.Size([numel]), TensorProperties(dtype=piece.dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(piece, mine)], global_metadata, process_group=pg.group)
+
+
+def _param_groups(optimizer) -> list[dict]:
+    params = {id(p): i for i, (_, p) in enumerate(
+        (g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"])}
+    return [{**{k: v for k, v in group.items() if k != "params"},
+             "params": [params[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+
+
+def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:
+    """Save this rank's optimizer shard (and the model, if given) with DCP; call on every rank."""
+    with _quiet():
+        state = {OPTIMIZER_KEY: optimizer_state_dict(optimizer)}
+        if model is not None:
+            state["model"] = model.state_dict()
+        dcp.save(state, checkpoint_id=checkpoint_id, process_group=_sharded(optimizer).pg.group)
+
+
+def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                            process_group=None, partition: str = "even",
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Load a checkpoint saved by save_sharded_checkpoint, on any number of ranks; call on every rank.
+
+    Call it before (or between) steps of a step compiled with the same
+    process_group / partition / bucket_bytes options; the next step continues
+    exactly where the saved run stopped."""
+    sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes)
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    with _quiet():
+        template, install = _template(sharded, metadata)
+        state = {OPTIMIZER_KEY: template}
+        if model is not None:
+            state["model"] = model.state_dict()
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded.pg.group)
+    if model is not None:
+        model.load_state_dict(state["model"])
+    install(state[OPTIMIZER_KEY])
+    _restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
+    sharded.sync_lr()
+
+
+def _template(sharded: ShardedOptimizer, metadata: dict):
+    """Destination tensors for every saved state entry of this rank's pieces, and how to install them."""
+    saved_keys: dict[int, dict[str, object]] = {}
+    prefix = f"{OPTIMIZER_KEY}.state."
+    for fqn, md in metadata.items():
+        if fqn.startswith(prefix):
+            param, key = fqn[len(prefix):].split(".", 1)
+            saved_keys.setdefault(int(param), {})[key] = md
+    if not saved_keys:
+        raise OptpassError("zero1 checkpoint: no optimizer state found in this checkpoint.")
+    template: dict[str, dict] = {}
+    new_state: dict[torch.Tensor, dict] = {}
+    for bucket in sharded.layout.buckets:
+        shard = sharded.shards.get(bucket.index)
+        if shard is None:
+            continue
+        for s in bucket.segments[sharded.rank]:
+            for key, md in saved_keys.get(s.param, {}).items():
+                size = getattr(md, "size", None)
+                state = new_state.setdefault(shard, {})
+                if size is not None and tuple(size) == (sharded.layout.shapes[s.param].numel(),):
+                    flat = state.setdefault(key, torch.zeros_like(shard))
+                    piece = flat[s.offset: s.offset + s.numel]
+                    template.setdefault(str(s.param), {})[key] = _sharded_tensor(sharded, bucket, s.param, piece)
+                elif size is not None:
+                    scalar = state.setdefault(key, torch.zeros(size, dtype=md.properties.dtype))
+                    template.setdefault(str(s.param), {})[key] = scalar
+                else:
+                    template.setdefault(str(s.param), {})[key] = None
+    template = {"state": template, "param_groups": _param_groups(sharded.optimizer)}
+
+    def install(loaded: dict) -> None:
+        for shard, values in new_state.items():
+            sharded.shard_optimizer.state[shard] = dict(values)
+        for bucket in sharded.layout.buckets:      # non-tensor state (rare): from any piece
+            shard = sharded.shards.get(bucket.index)
+            for s in bucket.segments[sharded.rank] if shard is not None else ():
+                for key, value in loaded["state"].get(str(s.param), {}).items():
+                    if not isinstance(value, (torch.Tensor, ShardedTensor)):
+                        sharded.shard_optimizer.state[shard][key] = value
+
+    return template, install
+
+
+def _restore_param_groups(optimizer, saved: list[dict]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise OptpassError(f"zero1 checkpoint: saved {len(saved)} param groups, the optimizer has "
+                           f"{len(optimizer.param_groups)}.")
+    for group, values in zip(optimizer.param_groups, saved):
+        for key, value in values.items():
+            if key == "params":
+                continue
+            if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = value

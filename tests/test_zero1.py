@@ -1,0 +1,107 @@
+"""data_parallel='zero1' on 2 and 3 gloo ranks (CPU): equivalence, collectives, memory, checkpoints, faults.
+
+Each test spawns fresh processes (tests/distributed.py); the ranks run
+tests/zero1_workers.py. Cases are batched per world so each world starts once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import zero1_workers as workers
+from distributed import RankError, run_ranks, values
+
+CASES = [
+    {"optimizer": opt, "partition": partition, "in_backward": in_backward}
+    for opt in ("AdamW", "SGD") for partition in ("even", "greedy") for in_backward in (False, True)
+] + [{"optimizer": "AdamW", "partition": "even", "in_backward": True, "lower": "inductor"}]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def trained(request):
+    world = request.param
+    return world, values(run_ranks(world, workers.equivalence, CASES, timeout_s=600))
+
+
+def _label(case) -> str:
+    return (f"{case['optimizer']}/{case['partition']}/{'in-backward' if case['in_backward'] else 'after-backward'}"
+            f"/{case.get('lower', 'eager')}")
+
+
+def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(trained):
+    world, per_rank = trained
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            assert result["vs_single_process"] <= 1e-5, (rank, _label(result), result)
+            assert result["vs_ddp_zero"] <= 1e-5, (rank, _label(result), result)
+
+
+def test_optimizer_state_per_rank_is_one_nth_within_one_bucket(trained):
+    world, per_rank = trained
+    for results in per_rank:
+        for result in results:
+            if result["optimizer"] == "SGD" and result["state_bytes"] == 0:
+                continue
+            bound = result["unsharded_state_bytes"] / world + result["bucket_state_bytes"]
+            assert result["state_bytes"] <= bound, (_label(result), result)
+    # and the ranks together hold exactly the unsharded state (no replication)
+    for case_index in range(len(CASES)):
+        total = sum(results[case_index]["state_bytes"] for results in per_rank)
+        assert total == per_rank[0][case_index]["unsharded_state_bytes"]
+
+
+def test_collective_bytes_equal_ddp_all_reduce(trained):
+    """Even partition: reduce-scatter in + all-gather out = the parameters' bytes, like DDP's
+    all-reduce (ring: reduce-scatter + all-gather of the same buffer), up to < N elements of
+    padding per bucket; one of each per bucket."""
+    world, per_rank = trained
+    for result in per_rank[0]:
+        found = result["collectives"]
+        assert found["all_reduce"][0] == 0
+        assert found["reduce_scatter"][0] == found["all_gather"][0] == result["buckets"] > 1
+        assert found["reduce_scatter"][1] == found["all_gather"][1]
+        padding = found["reduce_scatter"][1] - result["param_bytes"]
+        assert padding == result["ddp_bucket_padding_elements"] * 8
+        if result["partition"] == "even":
+            assert 0 <= padding < world * result["buckets"] * 8, _label(result)
+
+
+def test_in_backward_issues_each_bucket_during_backward(trained):
+    _, per_rank = trained
+    for result in per_rank[0]:
+        if result["in_backward"]:
+            assert result["mm_after_first_reduce_scatter"] > 0, _label(result)
+        else:
+            assert result["mm_after_first_reduce_scatter"] == 0, _label(result)
+        assert any("bucket(s)" in note for note in result["notes"])
+
+
+@pytest.mark.parametrize("partition", ["even", "greedy"])
+def test_checkpoint_resumes_exactly_on_the_same_and_a_different_world_size(tmp_path, partition):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = values(run_ranks(2, workers.checkpoint_phase, "save", path, partition))[0]
+    for world in (2, 3):
+        resumed = values(run_ranks(world, workers.checkpoint_phase, "load", path, partition))[0]
+        worst = max(abs(a - b) for pa, pb in zip(resumed, uninterrupted) for a, b in zip(pa, pb))
+        assert worst <= 1e-12, (world, worst)
+
+
+def test_a_failing_rank_makes_every_rank_fail_without_hanging():
+    results = run_ranks(2, workers.failing_rank, 1, timeout_s=120, pg_timeout_s=5)
+    assert all(isinstance(r, RankError) for r in results), results
+    waiting = results[0]
+    assert waiting.type == "OptpassError"
+    assert "failed on rank 0 of 2" in waiting.message and "another rank" in waiting.message
+    assert waiting.elapsed_s < 60
+
+
+def test_different_models_across_ranks_are_caught_at_compile_time():
+    results = run_ranks(2, workers.different_models, timeout_s=120, pg_timeout_s=20)
+    for result in results:
+        assert isinstance(result, RankError), results
+        assert "the ranks do not train the same model" in result.message
+        assert "on rank 0 but" in result.message and "on rank 1" in result.message
+
+
+def test_ranks_start_from_rank_zeros_parameters():
+    assert max(values(run_ranks(2, workers.ranks_agree_on_parameters))) == 0.0

@@ -1,0 +1,239 @@
+"""What each rank runs in the ZeRO-1 tests (tests/test_zero1.py); importable by spawned processes.
+
+Every worker trains a small model with two param groups and uneven parameter
+sizes (the last bias has 1 element: fewer than the ranks) on its slice of a
+global batch, and compares against the same training in one process on the
+whole batch, and against DDP + ZeroRedundancyOptimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import optpass
+import optpass.zero1
+
+STEPS = 20
+PER_RANK = 3
+BUCKET_BYTES = 256          # float64: a few parameters per bucket, several buckets
+
+
+def make_model(hidden: int = 9) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 0.02}]
+
+
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, {"lr": 0.01}),
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+}
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(params, **kwargs)
+
+
+def global_batch(step: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    n = PER_RANK * world
+    return torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g)
+
+
+def local(batch, rank: int):
+    x, y = batch
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def make_step(model, opt):
+    def train_step(x, y):
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def rel_diff(model_a, model_b) -> float:
+    worst = 0.0
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def train_single_process(optimizer: str, world: int, steps: int = STEPS) -> nn.Module:
+    model = make_model()
+    opt = make_optimizer(optimizer, param_groups(model))
+    for i in range(steps):
+        x, y = global_batch(i, world)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def train_ddp_zero(rank: int, optimizer: str, world: int) -> nn.Module:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    groups = param_groups(model)
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, weight_decay=0.1, **kwargs)
+    opt.add_param_group(groups[1])
+    for i in range(STEPS):
+        x, y = local(global_batch(i, world), rank)
+        loss_fn(ddp, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def collectives(graph) -> dict:
+    """Count and size the functional collectives of a graph (bytes each rank sends in / gets out)."""
+    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        for kind in found:
+            if name.startswith(kind):
+                val = node.meta["val"] if kind != "reduce_scatter" else node.args[0].meta["val"]
+                found[kind][0] += 1
+                found[kind][1] += val.numel() * val.element_size()
+    return found
+
+
+def _collective_positions(graph) -> dict:
+    """How many gradient GEMMs run after the first reduce-scatter (0: all collectives after backward)."""
+    nodes = list(graph.nodes)
+    first = next(i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "").startswith("reduce_scatter"))
+    return {"mm_after_first_reduce_scatter": sum(1 for n in nodes[first:]
+                                                 if getattr(n.target, "__name__", "").startswith("mm"))}
+
+
+def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Train each case with optpass zero1 and compare (run on every rank)."""
+    torch.set_default_dtype(torch.float64)
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        model = make_model()
+        opt = make_optimizer(case["optimizer"], param_groups(model))
+        options = {"optimizer": opt, "data_parallel": "zero1", "lower": case.get("lower", "eager"),
+                   "partition": case["partition"], "optimizer_in_backward": case.get("in_backward", False),
+                   "bucket_bytes": BUCKET_BYTES}
+        step = torch.compile(make_step(model, opt), backend="optpass", options=options)
+        with optpass.keep_graphs():
+            for i in range(STEPS):
+                step(*local(global_batch(i, world), rank))
+                assert all(p.grad is None for p in model.parameters())
+        report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
+        sharded = optpass.zero1._SHARDED[opt]
+        reference = train_single_process(case["optimizer"], world)
+        # unsharded state bytes: what torch.optim holds for the same model after one step
+        unsharded_opt = make_optimizer(case["optimizer"], param_groups(train_single_process(case["optimizer"], world, 1)))
+        for group in unsharded_opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        unsharded_opt.step()
+        unsharded = sum(t.numel() * t.element_size() for s in unsharded_opt.state.values()
+                        for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        state_bytes = sum(t.numel() * t.element_size() for s in sharded.shard_optimizer.state.values()
+                          for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        largest_bucket = max(b.chunk * world for b in sharded.layout.buckets) * 8
+        results.append({
+            **case,
+            "vs_single_process": rel_diff(model, reference),
+            "vs_ddp_zero": rel_diff(model, train_ddp_zero(rank, case["optimizer"], world)),
+            "state_bytes": state_bytes, "unsharded_state_bytes": unsharded,
+            "state_bytes_per_element": unsharded // sum(p.numel() for p in model.parameters()),
+            "bucket_state_bytes": largest_bucket * unsharded // (8 * sum(p.numel() for p in model.parameters())),
+            "buckets": len(sharded.layout.buckets),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "collectives": collectives(report.graph_after),
+            "ddp_bucket_padding_elements": sharded.layout.collective_elements() - sum(p.numel() for p in model.parameters()),
+            **_collective_positions(report.graph_after),
+            "notes": [n for o in report.passes for n in o.notes],
+        })
+    return results
+
+
+def checkpoint_phase(rank: int, world: int, phase: str, path: str, partition: str) -> list[list[float]] | None:
+    """phase 'save': 20 steps, checkpoint after step 10. phase 'load': resume from it, steps 10..20."""
+    torch.set_default_dtype(torch.float64)
+    model = make_model()
+    opt = make_optimizer("AdamW", param_groups(model))
+    options = {"optimizer": opt, "data_parallel": "zero1", "lower": "eager", "partition": partition,
+               "bucket_bytes": BUCKET_BYTES}
+    step = torch.compile(make_step(model, opt), backend="optpass", options=options)
+    start = 0
+    if phase == "load":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()                    # the checkpoint must bring the parameters back
+        optpass.load_sharded_checkpoint(path, opt, model=model, partition=partition, bucket_bytes=BUCKET_BYTES)
+        start = 10
+    for i in range(start, STEPS):
+        # the global batch is the same whatever the world size: 6 samples split over the ranks
+        x, y = global_batch(i, 2)
+        n = x.shape[0] // world
+        step(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        if phase == "save" and i == 9:
+            optpass.save_sharded_checkpoint(path, opt, model=model)
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def failing_rank(rank: int, world: int, bad_rank: int) -> str:
+    """Rank `bad_rank` feeds a wrongly shaped batch at step 3; every rank must fail, none hang."""
+    torch.set_default_dtype(torch.float64)
+    model = make_model()
+    opt = make_optimizer("AdamW", param_groups(model))
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    for i in range(6):
+        x, y = local(global_batch(i, world), rank)
+        if i == 3 and rank == bad_rank:
+            x = x[:, :5]                     # the model expects 6 features
+        step(x, y)
+    return "finished"
+
+
+def different_models(rank: int, world: int) -> str:
+    """Rank 1 builds a wider hidden layer: the compile-time check must name the difference."""
+    torch.set_default_dtype(torch.float64)
+    model = make_model(hidden=9 if rank == 0 else 10)
+    opt = make_optimizer("AdamW", param_groups(model))
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    step(*local(global_batch(0, world), rank))
+    return "trained"
+
+
+def ranks_agree_on_parameters(rank: int, world: int) -> float:
+    """Parameters start from rank 0's (as DDP does) even if ranks seed differently."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(rank)
+    model = nn.Linear(6, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    for i in range(3):
+        step(*local(global_batch(i, world), rank))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    return max((e - flat).abs().max().item() for e in everyone)
