@@ -8,6 +8,8 @@ whole batch, and against DDP + ZeroRedundancyOptimizer.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -197,8 +199,11 @@ def checkpoint_phase(rank: int, world: int, phase: str, path: str, partition: st
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 
-def failing_rank(rank: int, world: int, bad_rank: int) -> str:
-    """Rank `bad_rank` feeds a wrongly shaped batch at step 3; every rank must fail, none hang."""
+def failing_rank(rank: int, world: int, bad_rank: int, linger_s: float = 0.0) -> str:
+    """Rank `bad_rank` feeds a wrongly shaped batch at step 3; every rank must fail, none hang.
+
+    With `linger_s` the failing rank stays alive (holding its connections) that long after
+    its error, so the others can only learn of it from the process group's timeout."""
     torch.set_default_dtype(torch.float64)
     model = make_model()
     opt = make_optimizer("AdamW", param_groups(model))
@@ -208,6 +213,10 @@ def failing_rank(rank: int, world: int, bad_rank: int) -> str:
         x, y = local(global_batch(i, world), rank)
         if i == 3 and rank == bad_rank:
             x = x[:, :5]                     # the model expects 6 features
+            try:
+                step(x, y)
+            finally:
+                time.sleep(linger_s)
         step(x, y)
     return "finished"
 
