@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
-from optpass.zero1 import DEFAULT_BUCKET_BYTES, ShardedOptimizer, _SHARDED, sharded_optimizer
+from optpass.zero1 import DEFAULT_BUCKET_BYTES, ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
 
@@ -43,11 +43,7 @@ def _quiet():
 
 
 def _sharded(optimizer) -> ShardedOptimizer:
-    sharded = _SHARDED.get(optimizer)
-    if sharded is None:
-        raise OptpassError("this optimizer is not sharded yet: save after the first step of a step "
-                           "compiled with options={'optimizer': opt, 'data_parallel': 'zero1'}.")
-    return sharded
+    return sharded_state(optimizer)
 
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:

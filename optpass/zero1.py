@@ -337,6 +337,15 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     return sharded
 
 
+def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    """The ZeRO-1 state of `optimizer` on this rank (after the first compile of its step)."""
+    sharded = _SHARDED.get(optimizer)
+    if sharded is None:
+        raise OptpassError("this optimizer is not sharded (yet): its state is created when a step "
+                           "compiled with options={'optimizer': opt, 'data_parallel': 'zero1'} first runs.")
+    return sharded
+
+
 def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: int,
               names: dict[int, str] | None = None) -> list[tuple[str, Any]]:
     """What must be identical on every rank, as (what, value) pairs in a fixed order."""

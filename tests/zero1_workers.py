@@ -144,7 +144,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 step(*local(global_batch(i, world), rank))
                 assert all(p.grad is None for p in model.parameters())
         report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
-        sharded = optpass.zero1._SHARDED[opt]
+        sharded = optpass.zero1.sharded_state(opt)
         reference = train_single_process(case["optimizer"], world)
         # unsharded state bytes: what torch.optim holds for the same model after one step
         unsharded_opt = make_optimizer(case["optimizer"], param_groups(train_single_process(case["optimizer"], world, 1)))
