@@ -142,7 +142,21 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    sharded = optpass.zero1._SHARDED[opt]
+    # What the backend's collectives cost by themselves, on one buffer of all the gradients.
+    flat = torch.randn(sum(p.numel() for p in model.parameters()) // world * world)
+    chunk, full = torch.empty(flat.numel() // world), torch.empty_like(flat)
+    comm = {"all_reduce": [], "reduce_scatter+all_gather": []}
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        comm["all_reduce"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.reduce_scatter_tensor(chunk, flat)
+        dist.all_gather_into_tensor(full, chunk)
+        comm["reduce_scatter+all_gather"].append(time.perf_counter() - start)
+    sharded = optpass.zero1.sharded_state(opt)
     zero_opt = variants["ddp-zero"][1]
     result = {
         "rank": rank,
@@ -155,6 +169,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
             "ddp": {"all_reduce": [variants["ddp"][2]["calls"] / args.steps, variants["ddp"][2]["bytes"] / args.steps]},
             "optpass": collectives},
         "step_s": {name: statistics.median(t) for name, t in times.items()},
+        "collective_s": {name: statistics.median(t) for name, t in comm.items()},
         "buckets": len(sharded.layout.buckets),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -213,6 +228,11 @@ def main() -> None:
     print("step time (median over steps, median over ranks): " +
           ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
     print(f"  optpass/ddp = {times['optpass'] / times['ddp']:.3f}, ddp-zero/ddp = {times['ddp-zero'] / times['ddp']:.3f}")
+    comm = {k: statistics.median(r["collective_s"][k] for r in results) for k in r0["collective_s"]}
+    print(f"the collectives alone, one buffer of all gradients: all_reduce {comm['all_reduce'] * 1e3:.1f} ms, "
+          f"reduce_scatter + all_gather {comm['reduce_scatter+all_gather'] * 1e3:.1f} ms "
+          f"(x{comm['reduce_scatter+all_gather'] / comm['all_reduce']:.2f}: the backend's implementations, "
+          "same bytes)")
     print(json.dumps({"args": vars(args), "ranks": results}))
 
 
