@@ -109,3 +109,58 @@ def test_different_models_across_ranks_are_caught_at_compile_time():
 
 def test_ranks_start_from_rank_zeros_parameters():
     assert max(values(run_ranks(2, workers.ranks_agree_on_parameters))) == 0.0
+
+
+# ------------------------------------------------------------------ refusals (one process, no collectives)
+
+def test_a_gradient_transform_before_the_update_is_refused_with_its_line():
+    import torch
+
+    model = workers.make_model()
+    opt = workers.make_optimizer("AdamW", workers.param_groups(model))
+
+    def train_step(x, y):
+        loss = workers.loss_fn(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    step = torch.compile(train_step, backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    # Dynamo wraps a backend's error: the user reads "OptpassError: ..." in BackendCompilerFailed
+    with pytest.raises(Exception, match=r"OptpassError: data_parallel='zero1' refused: the step transforms "
+                                        r"gradients .*test_zero1.py:\d+ in train_step: torch.nn.utils.clip_grad_norm_"):
+        step(*workers.local(workers.global_batch(0, 1), 0))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"data_parallel": "zero1"}, "needs the optimizer"),
+    ({"data_parallel": "zero2"}, "must be one of"),
+    ({"data_parallel": "zero1", "partition": "random"}, "must be one of"),
+])
+def test_bad_data_parallel_options_are_errors(options, match):
+    import torch
+
+    import optpass
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if match != "needs the optimizer":
+        options = {"optimizer": opt, **options}
+    with pytest.raises(optpass.OptpassError, match=match):
+        optpass.options.Options.from_user(options)
+
+
+def test_zero1_without_torch_distributed_is_a_clear_error():
+    import torch
+
+    model = workers.make_model()
+    opt = workers.make_optimizer("SGD", workers.param_groups(model))
+    step = torch.compile(workers.make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    with pytest.raises(Exception, match="OptpassError: data_parallel='zero1' needs torch.distributed: call "
+                                        "torch.distributed.init_process_group"):
+        step(*workers.local(workers.global_batch(0, 1), 0))
