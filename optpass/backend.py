@@ -81,5 +81,12 @@ def explaining_backend(gm, example_inputs, options=None):
             report.legality = "optimizer_in_backward is legal: every gradient depends on its own parameter only"
         except OptpassError as error:
             report.legality = f"optimizer_in_backward refused: {error}"
+    if options.data_parallel == "zero1" and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
+        try:
+            check_zero1(captured, options)
+            verdict = "data_parallel='zero1' is legal: the step hands the update raw gradients"
+        except OptpassError as error:
+            verdict = f"data_parallel='zero1' refused: {error}"
+        report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
     rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
     return lowering.lower_dry(gm, example_inputs, rewrite)
