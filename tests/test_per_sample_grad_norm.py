@@ -238,6 +238,26 @@ def test_embedding_dp_step_equals_the_original_without_a_vocab_sized_per_sample_
     assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
 
 
+def test_an_embedding_with_no_fewer_tokens_than_rows_is_left_alone_and_explain_says_why():
+    """T >= vocab (a position table read at every row): the rewrite would keep the tokens' [B, T, d]
+    gradients instead of [B, vocab, d], no smaller; so the step is kept as traced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(TOKENS, IN), nn.Linear(IN, CLASSES))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
+                             options={"lower": "eager"})
+    x, y = token_batch(0)
+    optpass.report.clear_reports()
+    torch.manual_seed(1)
+    norms = compiled(x, y)
+    torch.manual_seed(1)
+    torch.testing.assert_close(norms, make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))(x, y),
+                               rtol=1e-5, atol=1e-6)
+    notes = " ".join(note for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm"
+                     for note in p.notes)
+    assert f"{TOKENS} tokens per sample >= vocab {TOKENS}" in notes
+
+
 def test_an_embedding_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_why():
     torch.manual_seed(0)
     model = embedding_model()
@@ -430,7 +450,7 @@ class TestEmbeddingGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -40,19 +40,10 @@
+@@ -40,19 +40,8 @@
 -arange_0: i64[6] = aten.arange.start_step(0, 78, 13, dtype=torch.int64, layout=torch.strided, device=device('cpu'))
 -view_4: i64[6, 1, 1] = aten.view(arange_0, [6, 1, 1])
 -add_0: i64[6, 1, 7] = aten.add.Tensor(unsqueeze_0, view_4)
@@ -450,17 +470,15 @@ class TestEmbeddingGraph(TestCase):
 -sqrt_0: f32[6] = aten.sqrt(sum_3)
 -add_1: f32[6] = aten.add.Tensor(sqrt_0, 1e-06)
 -reciprocal_0: f32[6] = aten.reciprocal(add_1)
-+clone_0: i64[6, 1, 7] = aten.clone(unsqueeze_0, memory_format=torch.contiguous_format)
-+view_4: i64[6, 7] = aten.view(clone_0, [6, 7])
-+clone_1: f32[6, 1, 7, 4] = aten.clone(view_3, memory_format=torch.contiguous_format)
-+view_5: f32[6, 7, 4] = aten.view(clone_1, [6, 7, 4])
-+embedding_per_sample_grad_sq_norm_0: f32[6] = optpass.embedding_per_sample_grad_sq_norm(view_4, view_5, 1)
++view_4: i64[6, 7] = aten.view(unsqueeze_0, [6, 7])
++view_5: f32[6, 7, 4] = aten.view(view_3, [6, 7, 4])
++embedding_per_sample_grad_sq_norm_0: f32[6] = optpass.embedding_per_sample_grad_sq_norm(view_4, view_5, 1, 'auto')
 +stack_0: f32[1, 6] = aten.stack([embedding_per_sample_grad_sq_norm_0])
 +sum_2: f32[6] = aten.sum.dim_IntList(stack_0, [0])
 +sqrt_0: f32[6] = aten.sqrt(sum_2)
 +add_0: f32[6] = aten.add.Tensor(sqrt_0, 1e-06)
 +reciprocal_0: f32[6] = aten.reciprocal(add_0)
-@@ -65,9 +56,11 @@
+@@ -65,9 +54,11 @@
 -view_10: f32[1, 1, 6] = aten.view(permute_1, [1, 1, 6])
 -view_11: f32[6, 13, 4] = aten.view(view_7, [6, 13, 4])
 -permute_2: f32[13, 4, 6] = aten.permute(view_11, [1, 2, 0])
@@ -471,8 +489,8 @@ class TestEmbeddingGraph(TestCase):
 -permute_4: f32[13, 4, 1] = aten.permute(view_13, [1, 2, 0])
 -view_14: f32[13, 4] = aten.view(permute_4, [13, 4])
 +view_6: f32[1, 1, 6] = aten.view(permute_1, [1, 1, 6])
-+clone_2: f32[1, 1, 6] = aten.clone(view_6, memory_format=torch.contiguous_format)
-+view_7: f32[6, 1, 1] = aten.view(clone_2, [6, 1, 1])
++clone_0: f32[1, 1, 6] = aten.clone(view_6, memory_format=torch.contiguous_format)
++view_7: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
 +mul_2: f32[6, 7, 4] = aten.mul.Tensor(view_5, view_7)
 +view_8: f32[42, 4] = aten.view(mul_2, [42, 4])
 +view_9: i64[42] = aten.view(view_4, [42])
@@ -481,7 +499,7 @@ class TestEmbeddingGraph(TestCase):
 +view_11: f32[1, 13, 4] = aten.view(view_10, [1, 13, 4])
 +permute_2: f32[13, 4, 1] = aten.permute(view_11, [1, 2, 0])
 +view_12: f32[13, 4] = aten.view(permute_2, [13, 4])
-@@ -75,3 +68,3 @@
+@@ -75,3 +66,3 @@
 -mul_2: f32[13, 4] = aten.mul.Tensor(randn_like_0, 0.5)
 -add_2: f32[13, 4] = aten.add.Tensor(view_14, mul_2)
 -div_2: f32[13, 4] = aten.div.Tensor(add_2, 6)

@@ -24,10 +24,11 @@ Rewrite, per such weight:
     <X Xᵀ, G Gᵀ> when 2T² <= in·out, fact 18), a memory-bounded torch path on CPU;
     the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
     (book-keeping: no second backward).
-  * Embedding: the squared norm becomes ``optpass::embedding_per_sample_grad_sq_norm(x, g, p)``,
-    the Gram form ||E_b||² = sum_{t,t'} [x_bt == x_bt' != p] <g_bt, g_bt'> (plain torch,
-    chunked over the batch and Gram rows); the clipped sum becomes ONE scatter of
-    ``coef_b · g_bt`` over the B·T tokens into [vocab, d]: ``embedding_dense_backward(..,
+  * Embedding: the squared norm becomes ``optpass::embedding_per_sample_grad_sq_norm(x, g, p)``
+    (optpass/kernels, plain torch, memory-bounded): the Gram form
+    ||E_b||² = sum_{t,t'} [x_bt == x_bt' != p] <g_bt, g_bt'> for T <= 128 tokens, else
+    the sum of each distinct id's g_bt (sort + index_add), squared; the clipped sum becomes
+    ONE scatter of ``coef_b · g_bt`` over the B·T tokens into [vocab, d]: ``embedding_dense_backward(..,
     vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
     then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
   After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
@@ -37,13 +38,14 @@ expand of P is followed with dimension labels (b, r, c: sample, weight rows, wei
 columns), so a consumer is known to reduce over exactly "everything but b" (the norm) or
 to contract exactly b (the clipped sum), whatever chain of views the tracer produced.
 An Embedding's rows are recognised by their offsets ``b·vocab`` (sample b owns rows
-[b·vocab, (b+1)·vocab)); ids are in [0, vocab) because the forward lookup of the same
-ids checks them.
+[b·vocab, (b+1)·vocab)); the ids must also index the forward ``embedding`` of a
+[vocab, d] weight, whose run-time bounds check keeps each sample in its own rows.
 
 Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
-O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded [T, T] Gram chunk
-(O(B·T²·d) FLOPs) instead of O(B·vocab·d) for an Embedding weight; numerics equal up to
-floating-point rounding.
+O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)
+FLOPs; segment: O(B·T·d)) instead of O(B·vocab·d) for an Embedding weight, which is
+rewritten only when T < vocab (else the tokens' gradients it keeps are no smaller);
+numerics equal up to floating-point rounding.
 
 Already cheap, kept as they are (checked on TinyLM's traced graphs): a Linear bias's
 per-sample gradient is ``sum(G, dim=T)`` -> [B, out]; LayerNorm's weight and bias are
@@ -58,7 +60,8 @@ Leaves alone (the outcome's notes say why): a per-sample gradient with any other
 pattern, so the sum stays materialized and exact; an Embedding with
 ``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
 ``embedding_dense_backward``; in Inductor's graph the division is explicit and the
-pattern is rewritten); bmm's and scatters that are not per-sample gradients.
+pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
+bmm's and scatters that are not per-sample gradients.
 
     before (Linear):                           after:
       P = bmm(t(G), X)          # [B, out, in]   n = per_sample_grad_sq_norm(X, G)
@@ -124,7 +127,8 @@ def run(step, options) -> str | None:
         elif why_not:
             step.notes.append(f"{node.name}: {why_not}")
     if not rewritten:
-        return "; ".join(step.notes) or "no per-sample weight gradient (Linear bmm of Gᵀ and X, Embedding scatter) used for norms"
+        return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
+                                         "Embedding scatter) used for norms")
     graph.eliminate_dead_code()
     return None
 
@@ -281,6 +285,13 @@ def _contiguous(emit, node):
     return emit(aten.clone.default, node, memory_format=torch.contiguous_format)
 
 
+def _flat_view(emit, node, shape):
+    """view(node, shape), copying first only if node's value is not contiguous."""
+    if not node.meta["val"].is_contiguous():
+        node = _contiguous(emit, node)
+    return emit(aten.view.default, node, shape)
+
+
 def _coef_column(emit, coef, batch):
     """coef (any [.., B, ..] view with ones elsewhere) as a contiguous [B, 1, 1]."""
     return emit(aten.view.default, _contiguous(emit, coef), [batch, 1, 1])
@@ -354,6 +365,8 @@ def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
     if split is None:
         return None
     local, batch, vocab = split
+    if not _looked_up(local, vocab):
+        return None
     rows, dim = _shape(node)
     index_shape, values_shape = _shape(index), _shape(values)
     if rows != batch * vocab or index_shape is None or values_shape != index_shape + [dim]:
@@ -362,28 +375,32 @@ def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
                              or list(torch.broadcast_shapes(_shape(mask), values_shape)) != values_shape):
         return None
     tokens = math.prod(index_shape[1:])
+    if tokens >= vocab and refuse is None:
+        # The rewrite keeps the tokens' [B, T, d] gradients alive instead of [B, vocab, d]: a gain
+        # only when T < vocab (e.g. a position table indexed by all its rows gains nothing).
+        refuse = (f"{tokens} tokens per sample >= vocab {vocab}: the [B, vocab, d] tensor is no larger "
+                  "than the tokens' gradients the rewrite would keep; left as it was")
     graph, emit = step.graph, step.emit
     prepared = {}
 
     def ids_and_values():
-        """[B, T] token ids (0 <= id < vocab: the forward embedding read the same ids and checks
-        them) and [B, T, d] the values scattered (masked-out tokens zeroed). Emitted once, before
-        the scatter, where all their inputs exist."""
+        """[B, T] token ids (0 <= id < vocab: _looked_up) and [B, T, d] the values scattered
+        (masked-out tokens zeroed). Emitted once, before the scatter, where all their inputs exist."""
         if not prepared:
             with graph.inserting_before(node):
                 ids = local
                 if _shape(ids) != index_shape:
                     ids = emit(aten.expand.default, ids, index_shape)
-                ids = emit(aten.view.default, _contiguous(emit, ids), [batch, tokens])
+                ids = _flat_view(emit, ids, [batch, tokens])
                 vals = values if mask is None else emit(aten.mul.Tensor, values, mask)
-                vals = emit(aten.view.default, _contiguous(emit, vals), [batch, tokens, dim])
+                vals = _flat_view(emit, vals, [batch, tokens, dim])
             prepared.update(ids=ids, vals=vals)
         return prepared["ids"], prepared["vals"]
 
     def norm(padding_idx):
         ids, vals = ids_and_values()
         pad = -1 if padding_idx is None else padding_idx
-        return emit(torch.ops.optpass.embedding_per_sample_grad_sq_norm.default, ids, vals, pad)
+        return emit(torch.ops.optpass.embedding_per_sample_grad_sq_norm.default, ids, vals, pad, "auto")
 
     def clipped_sum(coef, padding_idx):
         ids, vals = ids_and_values()
@@ -443,6 +460,21 @@ def _strip_views(node):
     while isinstance(node, torch.fx.Node) and node.target in _REGROUPING:
         node = node.args[0]
     return node
+
+
+def _looked_up(ids: torch.fx.Node, vocab: int) -> bool:
+    """Do the same ids (some view of them) index a forward ``embedding`` of a [vocab, d] weight?
+    That lookup checks 0 <= id < vocab at run time, so sample b's tokens land in its own rows
+    [b·vocab, (b+1)·vocab) of the batched scatter."""
+    base = _strip_views(ids)
+    views, stack = set(), [base]
+    while stack:
+        node = stack.pop()
+        views.add(node)
+        stack.extend(u for u in node.users if u.target in _REGROUPING and u.args[0] is node and u not in views)
+    return any(user.target is aten.embedding.default and user.args[1] is view
+               and (_shape(user.args[0]) or [None])[0] == vocab
+               for view in views for user in view.users)
 
 
 def _split_sample_offsets(index) -> tuple[torch.fx.Node, int, int] | None:
