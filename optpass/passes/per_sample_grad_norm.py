@@ -13,8 +13,8 @@ where P is one of
   * Embedding weight: vmap's batched embedding backward, ONE scatter of the tokens' output
     gradients g [B, T, d] into [B·vocab, d] at rows ``x_bt + b·vocab`` (viewed [B, vocab, d]):
     ``embedding_dense_backward(g, x + offsets, B·vocab, -1, False)`` in the aten graph,
-    ``_unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], g)`` (or an accumulating
-    ``index_put``) in Inductor's graph, offsets = ``arange(0, B·vocab, vocab)`` viewed [B, 1, ..].
+    ``_unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], g)`` in Inductor's graph
+    (its decomposition), offsets = ``arange(0, B·vocab, vocab)`` viewed [B, 1, ..].
     ``nn.Embedding(padding_idx=p)`` shows up as a ``select_scatter`` of zeros into row p of
     the [B, vocab, d] view; it is followed and kept exact.
 
@@ -74,6 +74,7 @@ bmm's and scatters that are not per-sample gradients.
       n = sum(pow(view(P, [B, -1]), 2), [1])     w = embedding_dense_backward(view(g * c, [B*T, d]), x, V, pad, False)
       w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -324,16 +325,15 @@ def _linear_candidate(step, bmm: torch.fx.Node) -> _Candidate:
 
 # ---------------------------------------------------------------- Embedding weights: a scatter into [B·vocab, d]
 
-_SCATTERS = {aten.embedding_dense_backward.default, aten._unsafe_masked_index_put_accumulate.default,
-             aten.index_put.default, aten._unsafe_index_put.default}
+_SCATTERS = {aten.embedding_dense_backward.default, aten._unsafe_masked_index_put_accumulate.default}
 
 
 def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
     """vmap's batched embedding backward: the B samples' [vocab, d] gradients as ONE scatter of the
-    tokens' output gradients into [B·vocab, d] at rows ``x_bt + b·vocab``. Three traced forms:
+    tokens' output gradients into [B·vocab, d] at rows ``x_bt + b·vocab``. Two traced forms:
       * aten graph:      embedding_dense_backward(values, x + offsets, B·vocab, -1, scale_grad_by_freq)
       * Inductor graph:  _unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], values)
-                         (embedding_dense_backward decomposed), or index_put(zeros, [..], values, True)
+                         (embedding_dense_backward decomposed)
     with offsets = arange(0, B·vocab, vocab) viewed [B, 1, ..]. nn.Embedding's padding_idx is not
     in the scatter (vmap passes -1): it is a select_scatter of zeros into row padding_idx of the
     [B, vocab, d] view, which ``through`` follows."""
@@ -348,15 +348,9 @@ def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
         if scale_grad_by_freq:
             refuse = ("scale_grad_by_freq=True divides by token counts inside embedding_dense_backward; "
                       "left as it was")
-    elif node.target is aten._unsafe_masked_index_put_accumulate.default:
+    else:
         zeros, mask, indices, values = args[:4]
         if len(indices) != 1:
-            return None
-        index = indices[0]
-    else:
-        accumulate = args[3] if len(args) > 3 else node.kwargs.get("accumulate", False)
-        zeros, indices, values = args[:3]
-        if not accumulate or len(indices) != 1:
             return None
         index = indices[0]
     if zeros is not None and not _is_zeros(zeros):
