@@ -20,7 +20,9 @@ Variants (each in a FRESH subprocess: this script re-invoked with ``--child VARI
   + Gaussian noise, ``opt.step()``; compiled with ``backend="inductor"``;
 * ``vmap-optpass``  -- the same step compiled with ``backend="optpass"`` (default lowering,
   Inductor): the ``per_sample_grad_norm`` pass replaces each Linear weight's
-  [B, out, in] per-sample gradient by ``optpass::per_sample_grad_sq_norm`` + one GEMM;
+  [B, out, in] per-sample gradient by ``optpass::per_sample_grad_sq_norm`` + one GEMM,
+  and each Embedding's [B, vocab, d] one by ``optpass::embedding_per_sample_grad_sq_norm``
+  + one scatter;
 * ``opacus-hooks`` -- ``opacus.GradSampleModule`` (hooks materialize every per-sample
   gradient) + ``opacus.optimizers.DPOptimizer`` (clip, noise, step), eager;
 * ``opacus-ghost`` -- ``GradSampleModuleFastGradientClipping(use_ghost_clipping=True)``
@@ -229,7 +231,8 @@ def child(args) -> None:
                     applied.append(p.status)
             if r.graph_after is not None:
                 norm_ops += sum(1 for n in r.graph_after.nodes
-                                if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default)
+                                if n.target in (torch.ops.optpass.per_sample_grad_sq_norm.default,
+                                                torch.ops.optpass.embedding_per_sample_grad_sq_norm.default))
             if r.memory_before is not None and r.memory_after is not None and est is None and norm_ops:
                 est = (r.memory_before.peak_bytes, r.memory_after.peak_bytes)
         info.update(pass_status=applied, norm_ops=norm_ops, est_peak_before=est and est[0],

@@ -152,6 +152,7 @@ def test_tied_weights_are_kept_exact():
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     compiled = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
     reference = make_dp_step(ref, ref_opt)
+    optpass.report.clear_reports()
     for step in range(3):
         x, y = batch(step, 0)
         torch.manual_seed(step)
@@ -160,6 +161,115 @@ def test_tied_weights_are_kept_exact():
         torch.testing.assert_close(norms, reference(x, y), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    notes = [note for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm"
+             for note in p.notes]
+    assert any("added to another per-sample gradient" in note for note in notes)
+
+
+# ---------------------------------------------------------------- Embedding weights
+
+VOCAB, PAD, TOKENS = 13, 1, 7
+
+
+def embedding_model(padding_idx=None, scale_grad_by_freq=False):
+    return nn.Sequential(nn.Embedding(VOCAB, IN, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq),
+                         nn.Linear(IN, CLASSES))
+
+
+def token_batch(step):
+    """Ids 0..3 of 13: every sample repeats tokens; sample 0 starts with two PAD tokens."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 4, (B, TOKENS), generator=g)
+    x[0, :2] = PAD
+    return x, torch.randint(0, CLASSES, (B, TOKENS), generator=g)
+
+
+def vocab_sized(graph, batch=B, vocab=VOCAB, dim=IN):
+    """Nodes holding B per-sample [vocab, d] Embedding gradients ([B, vocab, d], [B·vocab, d], ...)."""
+    return [n.name for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].numel() == batch * vocab * dim
+            and any(size in (vocab, batch * vocab, vocab * dim) for size in n.meta["val"].shape)]
+
+
+def count(graph, op):
+    return sum(1 for n in graph.nodes if n.target is op)
+
+
+def run_embedding_dp(lower, steps, **embedding_options):
+    """Compiled and eager DP steps on twin Embedding -> Linear models: norms and parameters must agree."""
+    torch.manual_seed(0)
+    model = embedding_model(**embedding_options)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
+                             options={"lower": lower})
+    reference = make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
+    optpass.report.clear_reports()
+    with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():
+        for step in range(steps):
+            x, y = token_batch(step)
+            torch.manual_seed(100 + step)
+            norms = compiled(x, y)
+            torch.manual_seed(100 + step)
+            expected = reference(x, y)
+            torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(norms > MAX_GRAD_NORM, expected > MAX_GRAD_NORM)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    if embedding_options.get("padding_idx") is not None:
+        assert torch.equal(model[0].weight[PAD], ref[0].weight[PAD])
+    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+    outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
+    return report, outcome
+
+
+@pytest.mark.parametrize("embedding_options", [{}, {"padding_idx": PAD}, {"scale_grad_by_freq": True}],
+                         ids=["plain", "padding_idx", "scale_grad_by_freq"])
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_embedding_dp_step_equals_the_original_without_a_vocab_sized_per_sample_tensor(lower, embedding_options):
+    report, outcome = run_embedding_dp(lower, 3, **embedding_options)
+    assert vocab_sized(report.graph_before)
+    if lower == "eager" and embedding_options.get("scale_grad_by_freq"):
+        # the aten graph divides by per-sample token counts inside embedding_dense_backward: left alone
+        assert "scale_grad_by_freq" in " ".join(outcome.notes) and vocab_sized(report.graph_after)
+        return
+    assert outcome.status == "applied" and vocab_sized(report.graph_after) == []
+    assert count(report.graph_after, torch.ops.optpass.embedding_per_sample_grad_sq_norm.default) == 1
+    assert count(report.graph_after, torch.ops.optpass.per_sample_grad_sq_norm.default) == 1    # the Linear
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+
+
+def test_an_embedding_with_no_fewer_tokens_than_rows_is_left_alone_and_explain_says_why():
+    """T >= vocab (a position table read at every row): the rewrite would keep the tokens' [B, T, d]
+    gradients instead of [B, vocab, d], no smaller; so the step is kept as traced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(TOKENS, IN), nn.Linear(IN, CLASSES))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
+                             options={"lower": "eager"})
+    x, y = token_batch(0)
+    optpass.report.clear_reports()
+    torch.manual_seed(1)
+    norms = compiled(x, y)
+    torch.manual_seed(1)
+    torch.testing.assert_close(norms, make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))(x, y),
+                               rtol=1e-5, atol=1e-6)
+    notes = " ".join(note for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm"
+                     for note in p.notes)
+    assert f"{TOKENS} tokens per sample >= vocab {TOKENS}" in notes
+
+
+def test_an_embedding_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_why():
+    torch.manual_seed(0)
+    model = embedding_model()
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5), return_per_sample=True),
+                             backend="optpass", options={"lower": "eager"})
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        _, per_sample = compiled(*token_batch(0))
+    assert per_sample.shape == (B, VOCAB, IN)
+    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+    notes = " ".join(next(p for p in report.passes if p.name == "per_sample_grad_norm").notes)
+    assert f"Embedding per-sample gradient [B={B}, vocab={VOCAB}, d={IN}] is also used by" in notes
 
 
 class TestPerSampleGradNormGraph(TestCase):
@@ -263,13 +373,17 @@ class TestPerSampleGradNormGraph(TestCase):
 +add_3: f32[4] = aten.add.Tensor(view_19, mul_5)""")
 
 
-def test_small_transformer_lm_per_sample_norms_match():
-    """Attention, LayerNorm, a tied embedding/head: Linear weights rewritten, the rest kept exact."""
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_small_transformer_lm_per_sample_norms_match(tied):
+    """Attention, LayerNorm, a position table, an embedding and output head (tied or not): Linear and
+    untied Embedding weights rewritten, the tied embedding/head left alone with a note, all exact."""
     from optpass.models import LMConfig, TinyLM
 
     cfg = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8)
     torch.manual_seed(0)
     model = TinyLM(cfg)
+    if not tied:
+        model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
     ref = copy.deepcopy(model)
     batch_size = 3
 
@@ -306,6 +420,89 @@ def test_small_transformer_lm_per_sample_norms_match():
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
-    norm_ops = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
-    assert len(norm_ops) == 6          # wq, wk, wv, wo and the two MLP weights
+    linear_norms = count(report.graph_after, torch.ops.optpass.per_sample_grad_sq_norm.default)
+    embedding_norms = count(report.graph_after, torch.ops.optpass.embedding_per_sample_grad_sq_norm.default)
+    vocab_by_d = vocab_sized(report.graph_after, batch_size, cfg.vocab, cfg.d_model)
+    if tied:
+        assert (linear_norms, embedding_norms) == (6, 0)     # wq, wk, wv, wo and the two MLP weights
+        notes = [note for p in report.passes if p.name == "per_sample_grad_norm" for note in p.notes]
+        assert any("Embedding per-sample gradient" in note and "added to another per-sample gradient" in note
+                   for note in notes)
+        assert vocab_by_d                                     # the tied weight's sum stays materialized
+    else:
+        assert (linear_norms, embedding_norms) == (7, 1)     # ... and the head; the embedding
+        assert vocab_by_d == []
     assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+
+
+class TestEmbeddingGraph(TestCase):
+    def test_graph_diff_embedding_norm_op_and_one_scatter(self):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(VOCAB, CLASSES, padding_idx=PAD))     # the embeddings are the logits
+        step = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), backend="optpass",
+                             options={"lower": "eager", "passes": ["per_sample_grad_norm"]})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(*token_batch(0))
+        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER)
+        diff = optpass.graph_diff(report.graph_before, report.graph_after, context=0)
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -40,19 +40,8 @@
+-arange_0: i64[6] = aten.arange.start_step(0, 78, 13, dtype=torch.int64, layout=torch.strided, device=device('cpu'))
+-view_4: i64[6, 1, 1] = aten.view(arange_0, [6, 1, 1])
+-add_0: i64[6, 1, 7] = aten.add.Tensor(unsqueeze_0, view_4)
+-embedding_dense_backward_0: f32[78, 4] = aten.embedding_dense_backward(view_3, add_0, 78, -1, False)
+-view_5: f32[6, 13, 4] = aten.view(embedding_dense_backward_0, [6, 13, 4])
+-select_0: f32[6, 4] = aten.select.int(view_5, 1, 1)
+-fill_0: f32[6, 4] = aten.fill.Scalar(select_0, 0)
+-view_6: f32[6, 13, 4] = aten.view(embedding_dense_backward_0, [6, 13, 4])
+-select_scatter_0: f32[6, 13, 4] = aten.select_scatter(view_6, fill_0, 1, 1)
+-view_7: f32[78, 4] = aten.view(select_scatter_0, [78, 4])
+-view_8: f32[6, 13, 4] = aten.view(view_7, [6, 13, 4])
+-view_9: f32[6, 52] = aten.view(view_8, [6, -1])
+-pow_0: f32[6, 52] = aten.pow.Tensor_Scalar(view_9, 2)
+-sum_2: f32[6] = aten.sum.dim_IntList(pow_0, [1])
+-stack_0: f32[1, 6] = aten.stack([sum_2])
+-sum_3: f32[6] = aten.sum.dim_IntList(stack_0, [0])
+-sqrt_0: f32[6] = aten.sqrt(sum_3)
+-add_1: f32[6] = aten.add.Tensor(sqrt_0, 1e-06)
+-reciprocal_0: f32[6] = aten.reciprocal(add_1)
++view_4: i64[6, 7] = aten.view(unsqueeze_0, [6, 7])
++view_5: f32[6, 7, 4] = aten.view(view_3, [6, 7, 4])
++embedding_per_sample_grad_sq_norm_0: f32[6] = optpass.embedding_per_sample_grad_sq_norm(view_4, view_5, 1, 'auto')
++stack_0: f32[1, 6] = aten.stack([embedding_per_sample_grad_sq_norm_0])
++sum_2: f32[6] = aten.sum.dim_IntList(stack_0, [0])
++sqrt_0: f32[6] = aten.sqrt(sum_2)
++add_0: f32[6] = aten.add.Tensor(sqrt_0, 1e-06)
++reciprocal_0: f32[6] = aten.reciprocal(add_0)
+@@ -65,9 +54,11 @@
+-view_10: f32[1, 1, 6] = aten.view(permute_1, [1, 1, 6])
+-view_11: f32[6, 13, 4] = aten.view(view_7, [6, 13, 4])
+-permute_2: f32[13, 4, 6] = aten.permute(view_11, [1, 2, 0])
+-permute_3: f32[6, 13, 4] = aten.permute(permute_2, [2, 0, 1])
+-view_12: f32[1, 6, 52] = aten.view(permute_3, [1, 6, 52])
+-bmm_0: f32[1, 1, 52] = aten.bmm(view_10, view_12)
+-view_13: f32[1, 13, 4] = aten.view(bmm_0, [1, 13, 4])
+-permute_4: f32[13, 4, 1] = aten.permute(view_13, [1, 2, 0])
+-view_14: f32[13, 4] = aten.view(permute_4, [13, 4])
++view_6: f32[1, 1, 6] = aten.view(permute_1, [1, 1, 6])
++clone_0: f32[1, 1, 6] = aten.clone(view_6, memory_format=torch.contiguous_format)
++view_7: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
++mul_2: f32[6, 7, 4] = aten.mul.Tensor(view_5, view_7)
++view_8: f32[42, 4] = aten.view(mul_2, [42, 4])
++view_9: i64[42] = aten.view(view_4, [42])
++embedding_dense_backward_0: f32[13, 4] = aten.embedding_dense_backward(view_8, view_9, 13, 1, False)
++view_10: f32[1, 1, 52] = aten.view(embedding_dense_backward_0, [1, 1, 52])
++view_11: f32[1, 13, 4] = aten.view(view_10, [1, 13, 4])
++permute_2: f32[13, 4, 1] = aten.permute(view_11, [1, 2, 0])
++view_12: f32[13, 4] = aten.view(permute_2, [13, 4])
+@@ -75,3 +66,3 @@
+-mul_2: f32[13, 4] = aten.mul.Tensor(randn_like_0, 0.5)
+-add_2: f32[13, 4] = aten.add.Tensor(view_14, mul_2)
+-div_2: f32[13, 4] = aten.div.Tensor(add_2, 6)
++mul_3: f32[13, 4] = aten.mul.Tensor(randn_like_0, 0.5)
++add_1: f32[13, 4] = aten.add.Tensor(view_12, mul_3)
++div_2: f32[13, 4] = aten.div.Tensor(add_1, 6)""")

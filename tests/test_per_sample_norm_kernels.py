@@ -1,6 +1,7 @@
 """Per-sample gradient-norm kernels: the Triton kernels (CPU, interpreter) and the optpass:: custom ops.
 
-Reference everywhere: n_i = ||G_i^T X_i||_F^2 = einsum("bto,bti->boi", g, x).pow(2).sum((1, 2)).
+Reference everywhere: n_i = ||G_i^T X_i||_F^2 = einsum("bto,bti->boi", g, x).pow(2).sum((1, 2));
+for Embedding weights the materialized [B, vocab, d] per-sample gradients, squared and summed.
 """
 
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from optpass.kernels import embedding_norm as en
 from optpass.kernels import per_sample_norm as psn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -332,3 +334,123 @@ def test_per_sample_clipped_weight_grad_is_one_mm():
     counts = flops.get_flop_counts()["Global"]
     assert set(counts) == {torch.ops.aten.mm}
     assert counts[torch.ops.aten.mm] == 2 * 4 * 6 * 9 * 5
+
+
+# ----------------------------------------------------------------------------
+# Embedding weights: optpass::embedding_per_sample_grad_sq_norm (ghost / segment)
+# ----------------------------------------------------------------------------
+
+EMB_OP = torch.ops.optpass.embedding_per_sample_grad_sq_norm
+
+
+def embedding_inputs(B, T, D, vocab=5, dtype=torch.float32, seed=0):
+    """Few distinct ids (vocab 5) so that tokens repeat inside a sample."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=gen), torch.randn(B, T, D, generator=gen).to(dtype)
+
+
+def materialized_embedding_grads(ids, g, vocab, padding_idx=-1):
+    """[B, vocab, d] per-sample gradients sum_t onehot(ids_bt) g_btᵀ, padding rows 0 (fp32/fp64)."""
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    onehot = torch.nn.functional.one_hot(ids, vocab).to(dtype)
+    if padding_idx >= 0:
+        onehot[..., padding_idx] = 0
+    return torch.einsum("btv,btd->bvd", onehot, g.to(dtype))
+
+
+@pytest.mark.parametrize("method", en.METHODS)
+@pytest.mark.parametrize("padding_idx", [-1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_embedding_op_matches_materialized_per_sample_gradients(dtype, padding_idx, method):
+    ids, g = embedding_inputs(4, 9, 6, dtype=dtype)
+    assert (ids == padding_idx).any() or padding_idx < 0
+    result = EMB_OP(ids, g, padding_idx, method)
+    assert result.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and result.shape == (4,)
+    reference = materialized_embedding_grads(ids, g, 5, padding_idx).pow(2).sum((1, 2))
+    assert max_rel_err(result, reference) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+def test_embedding_op_all_distinct_tokens_is_the_sum_of_token_norms(method):
+    ids = torch.arange(12).reshape(2, 6).flip(1)
+    g = torch.randn(2, 6, 3, dtype=torch.float64)
+    torch.testing.assert_close(EMB_OP(ids, g, -1, method), g.pow(2).sum((1, 2)))
+
+
+def test_embedding_op_auto_picks_ghost_for_short_sequences_and_segment_for_long_ones():
+    assert en.choose_embedding_norm_method(en.GHOST_MAX_TOKENS) == "ghost"
+    assert en.choose_embedding_norm_method(en.GHOST_MAX_TOKENS + 1) == "segment"
+    ids, g = embedding_inputs(2, en.GHOST_MAX_TOKENS + 1, 3, vocab=40)
+    assert torch.equal(EMB_OP(ids, g, -1, "auto"), EMB_OP(ids, g, -1, "segment"))
+    assert max_rel_err(EMB_OP(ids, g, -1, "ghost"), materialized_embedding_grads(ids, g, 40).pow(2).sum((1, 2))) < 1e-5
+
+
+def test_embedding_op_refuses_bad_shapes_float_ids_and_unknown_methods():
+    ids, g = embedding_inputs(2, 3, 4)
+    with pytest.raises(ValueError, match="ids must be"):
+        EMB_OP(ids[:, :2], g)
+    with pytest.raises(ValueError, match="integer"):
+        EMB_OP(ids.float(), g)
+    with pytest.raises(ValueError, match="method must be one of"):
+        EMB_OP(ids, g, -1, "sparse")
+
+
+@pytest.mark.parametrize("method", en.METHODS)
+def test_embedding_op_handles_empty_batch_and_empty_sequence(method):
+    for B, T in [(0, 3), (2, 0)]:
+        ids, g = torch.zeros(B, T, dtype=torch.long), torch.randn(B, T, 4)
+        assert torch.equal(EMB_OP(ids, g, -1, method), torch.zeros(B))
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+@pytest.mark.parametrize("budget", [2 * (8 * 7 * 6 + 8 * 7 + 16 * 6 * 7 + 48 * 7), 1])
+def test_embedding_op_chunked_gives_the_same_result(budget, method, monkeypatch):
+    ids, g = embedding_inputs(5, 7, 6, dtype=torch.float64)
+    full = EMB_OP(ids, g, 1, method)
+    # two samples per chunk; then one sample (and, for ghost, one row of its Gram matrix) at a time
+    monkeypatch.setattr(psn, "CPU_CHUNK_BYTES", budget)
+    torch.testing.assert_close(EMB_OP(ids, g, 1, method), full, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+def test_embedding_op_temporaries_stay_within_the_budget(method, monkeypatch):
+    B, T, D, vocab = 16, 48, 32, 1000
+    ids, g = embedding_inputs(B, T, D, vocab=vocab)
+    budget = 32 * 1024                                # one sample's g (6 KiB) + its temporaries, a few samples
+    assert B * T * T * 5 > 4 * budget                 # what one unchunked Gram + mask would hold
+    assert B * T * D * 4 * 2 > 4 * budget             # what unchunked segment sums + masked copy would hold
+    monkeypatch.setattr(psn, "CPU_CHUNK_BYTES", budget)
+    with PeakBytes() as mem:
+        result = en._torch_sq_norm(ids, g, 3, method)
+    del result
+    assert 0 < mem.peak <= budget + 2 * 4 * B, f"peak {mem.peak} bytes > budget {budget}"
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+@pytest.mark.parametrize("padding_idx", [-1, 0])
+def test_embedding_opcheck(padding_idx, method):
+    ids, g = embedding_inputs(3, 5, 4)
+    torch.library.opcheck(EMB_OP, (ids, g, padding_idx, method))
+    torch.library.opcheck(EMB_OP, (ids, g.requires_grad_(), padding_idx, method))
+    torch.library.opcheck(torch.ops.optpass.embedding_per_sample_grad_sq_norm_backward,
+                          (torch.randn(3), ids, g.detach(), padding_idx, method))
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+def test_embedding_op_gradient_matches_materialized(padding_idx, method):
+    ids, g = embedding_inputs(3, 8, 4, dtype=torch.float64)
+    g.requires_grad_()
+    weights = torch.randn(3, dtype=torch.float64)
+    ours, = torch.autograd.grad((EMB_OP(ids, g, padding_idx, method) * weights).sum(), [g])
+    reference = materialized_embedding_grads(ids, g, 5, padding_idx).pow(2).sum((1, 2))
+    ref, = torch.autograd.grad((reference * weights).sum(), [g])
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("padding_idx", [-1, 4])
+def test_embedding_clipped_grad_equals_einsum(padding_idx):
+    ids, g = embedding_inputs(4, 6, 3)
+    coef = torch.rand(4)
+    expected = torch.einsum("b,bvd->vd", coef, materialized_embedding_grads(ids, g, 7, padding_idx))
+    torch.testing.assert_close(en.embedding_clipped_grad(ids, g, coef, 7, padding_idx), expected)

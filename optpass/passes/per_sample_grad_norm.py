@@ -1,53 +1,115 @@
-"""Pass per_sample_grad_norm: DP-SGD's per-sample Linear gradients without [B, out, in] tensors.
+"""Pass per_sample_grad_norm: DP-SGD's per-sample Linear and Embedding weight gradients without
+[B, out, in] / [B, vocab, d] tensors.
 
 Precondition: a graph of a DP-SGD step written with ``torch.func.vmap(grad(...))``
-(DESIGN.md fact 17): each Linear weight's per-sample gradient is
-``P = bmm(Gᵀ [B, out, T], X [B, T, in]) -> [B, out, in]``, and P is used only
-(through views) by
+(DESIGN.md fact 17) in which a weight's per-sample gradient P is used only (through
+views) by
   * its per-sample squared norm: ``sum(pow(view(P, [B, -1]), 2), dim=1)`` -> [B], and
   * the clipped sum ``einsum("b,b...->...", coef, P)``, lowered as a ``bmm`` that
-    contracts the batch dimension (or as ``sum(mul(P, coef), dim=b)``).
+    contracts the batch dimension (or as ``sum(mul(P, coef), dim=b)``),
+where P is one of
+  * Linear weight: ``P = bmm(Gᵀ [B, out, T], X [B, T, in]) -> [B, out, in]`` (with T = 1,
+    Inductor's broadcast ``mul([B, out, 1], [B, 1, in])``);
+  * Embedding weight: vmap's batched embedding backward, ONE scatter of the tokens' output
+    gradients g [B, T, d] into [B·vocab, d] at rows ``x_bt + b·vocab`` (viewed [B, vocab, d]):
+    ``embedding_dense_backward(g, x + offsets, B·vocab, -1, False)`` in the aten graph,
+    ``_unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], g)`` in Inductor's graph
+    (its decomposition), offsets = ``arange(0, B·vocab, vocab)`` viewed [B, 1, ..].
+    ``nn.Embedding(padding_idx=p)`` shows up as a ``select_scatter`` of zeros into row p of
+    the [B, vocab, d] view; it is followed and kept exact.
 
 Rewrite, per such weight:
-  * the squared norm becomes ``optpass::per_sample_grad_sq_norm(X, G, "auto")``
+  * Linear: the squared norm becomes ``optpass::per_sample_grad_sq_norm(X, G, "auto")``
     (optpass/kernels): a fused Triton kernel on CUDA (direct, or ghost norm
     <X Xᵀ, G Gᵀ> when 2T² <= in·out, fact 18), a memory-bounded torch path on CPU;
-  * the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
+    the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
     (book-keeping: no second backward).
-  After both, P has no users and disappears: no [B, out, in] intermediate remains.
+  * Embedding: the squared norm becomes ``optpass::embedding_per_sample_grad_sq_norm(x, g, p)``
+    (optpass/kernels, plain torch, memory-bounded): the Gram form
+    ||E_b||² = sum_{t,t'} [x_bt == x_bt' != p] <g_bt, g_bt'> for T <= 128 tokens, else
+    the sum of each distinct id's g_bt (sort + index_add), squared; the clipped sum becomes
+    ONE scatter of ``coef_b · g_bt`` over the B·T tokens into [vocab, d]: ``embedding_dense_backward(..,
+    vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
+    then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
+  After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
 
 How uses are recognised: every view, permute, transpose, (un)squeeze or same-shape
-expand of P is followed with dimension labels (b, o, i), so a consumer is known to
-reduce over exactly "everything but b" (the norm) or to contract exactly b (the
-clipped sum), whatever chain of views the tracer produced.
+expand of P is followed with dimension labels (b, r, c: sample, weight rows, weight
+columns), so a consumer is known to reduce over exactly "everything but b" (the norm) or
+to contract exactly b (the clipped sum), whatever chain of views the tracer produced.
+An Embedding's rows are recognised by their offsets ``b·vocab`` (sample b owns rows
+[b·vocab, (b+1)·vocab)); the ids must also index the forward ``embedding`` of a
+[vocab, d] weight, whose run-time bounds check keeps each sample in its own rows.
 
-Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead
-of O(B·out·in); numerics equal up to floating-point rounding.
+Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
+O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)
+FLOPs; segment: O(B·T·d)) instead of O(B·vocab·d) for an Embedding weight, which is
+rewritten only when T < vocab (else the tokens' gradients it keeps are no smaller);
+numerics equal up to floating-point rounding.
+
+Already cheap, kept as they are (checked on TinyLM's traced graphs): a Linear bias's
+per-sample gradient is ``sum(G, dim=T)`` -> [B, out]; LayerNorm's weight and bias are
+``sum(x̂ ⊙ g, dim=T)`` and ``sum(g, dim=T)`` -> [B, d]; a learned position table is a
+``slice_backward`` -> [B, seq, d]. Each is B × (the parameter's size), computed from
+[B, T, d] tensors the backward holds anyway — a per-sample gradient cannot be smaller —
+so their norms and clipped sums (``bmm`` over B) stay.
 
 Leaves alone (the outcome's notes say why): a per-sample gradient with any other use
-(e.g. returned, or clipped per layer), and bmm's that are not per-sample gradients.
-Bias / LayerNorm / Embedding per-sample gradients are already cheap in the traced
-graph (sums over T, no [B, out, in]) and are kept as they are.
+(e.g. returned, or clipped per layer); a weight whose per-sample gradient is a sum of two
+(a tied embedding / output head, a layer applied twice) — its norm is not a norm of one
+pattern, so the sum stays materialized and exact; an Embedding with
+``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
+``embedding_dense_backward``; in Inductor's graph the division is explicit and the
+pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
+bmm's and scatters that are not per-sample gradients.
 
-    before:                                    after:
+    before (Linear):                           after:
       P = bmm(t(G), X)          # [B, out, in]   n = per_sample_grad_sq_norm(X, G)
       n = sum(pow(view(P, [B, -1]), 2), [1])     w = mm(t(view(G * c, [B*T, out])), view(X, [B*T, in]))
+      w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
+
+    before (Embedding, aten graph):            after:
+      P = embedding_dense_backward(g, x + b·V, B·V, -1, False)   # [B·V, d]
+      P = select_scatter(view(P, [B, V, d]), 0, 1, pad)          n = embedding_per_sample_grad_sq_norm(x, g, pad)
+      n = sum(pow(view(P, [B, -1]), 2), [1])     w = embedding_dense_backward(view(g * c, [B*T, d]), x, V, pad, False)
       w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.fx
 
-import optpass.kernels.per_sample_norm  # noqa: F401  (registers torch.ops.optpass.*)
+from optpass.kernels import embedding_norm, per_sample_norm
 
+_REGISTERS_OPS = (embedding_norm, per_sample_norm)   # importing them registers torch.ops.optpass.*
 aten = torch.ops.aten
 Labels = list[tuple[str, ...]]   # one tuple of atomic labels per dimension
 
 _SAME_LABELS = {aten.clone.default, aten.alias.default, aten.detach.default}
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """A per-sample gradient (some view of [B, R, C]) and how to compute its two DP uses cheaply.
+
+    Atoms of ``labels``: "b" the sample, "r" the weight's rows (out / vocab), "c" its columns (in / d).
+    ``norm(state)`` emits the [B] squared norms, ``clipped_sum(coef, state)`` the [R, C] sum
+    sum_b coef_b P_b, both at the graph's insert point. ``through`` lets a kind follow extra
+    users that keep the labels (an Embedding's padding row); the state it returns reaches both.
+    """
+    what: str
+    root: torch.fx.Node
+    labels: Labels
+    size_of: dict[str, int]
+    norm: Callable[[object], torch.fx.Node]
+    clipped_sum: Callable[[torch.fx.Node, object], torch.fx.Node]
+    through: Callable | None = None
+    refuse: str | None = None        # a DP pattern this pass knows it cannot rewrite exactly
 
 
 def run(step, options) -> str | None:
@@ -55,13 +117,19 @@ def run(step, options) -> str | None:
     rewritten = 0
     for node in list(graph.nodes):
         if _is_outer_product_over_tokens(node):
-            why_not = _rewrite(step, node)
-            if why_not is None:
-                rewritten += 1
-            elif why_not:
-                step.notes.append(f"{node.name}: {why_not}")
+            candidate = _linear_candidate(step, node)
+        else:
+            candidate = _embedding_candidate(step, node)
+        if candidate is None:
+            continue
+        why_not = _rewrite(step, candidate)
+        if why_not is None:
+            rewritten += 1
+        elif why_not:
+            step.notes.append(f"{node.name}: {why_not}")
     if not rewritten:
-        return "; ".join(step.notes) or "no per-sample weight gradient (bmm of Gᵀ and X) used for norms"
+        return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
+                                         "Embedding scatter) used for norms")
     graph.eliminate_dead_code()
     return None
 
@@ -85,6 +153,10 @@ def _shape(node) -> list[int] | None:
 def _rank(node) -> int:
     shape = _shape(node)
     return -1 if shape is None else len(shape)
+
+
+def _val(node) -> torch.Tensor:
+    return node.meta["val"]
 
 
 # ---------------------------------------------------------------- labels through views
@@ -131,71 +203,304 @@ def _follow(node: torch.fx.Node, labels: Labels, size_of) -> Labels | None:
 _REGROUPING = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
                aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 
+_SKIP = "skip"
 
-def _labelled_uses(root: torch.fx.Node, labels: Labels, size_of):
-    """(user, labels of the value it reads) for every non-view use of root's view closure."""
-    stack, uses = [(root, labels)], []
+
+def _labelled_uses(root: torch.fx.Node, labels: Labels, size_of, through=None):
+    """(user, value it reads, that value's labels, state) for every non-view use of root's view
+    closure. ``through(user, node, labels, state)`` may continue the walk past a user that keeps
+    the labels (returning (labels, state)) or declare a use irrelevant (returning _SKIP)."""
+    stack, uses = [(root, labels, None)], []
     while stack:
-        node, node_labels = stack.pop()
+        node, node_labels, state = stack.pop()
         for user in node.users:
             followed = _follow(user, node_labels, size_of) if user.args and user.args[0] is node else None
             if followed is not None:
-                stack.append((user, followed))
+                stack.append((user, followed, state))
+                continue
+            special = through(user, node, node_labels, state) if through is not None else None
+            if special == _SKIP:
+                continue
+            if special is not None:
+                stack.append((user, *special))
             else:
-                uses.append((user, node, node_labels))
+                uses.append((user, node, node_labels, state))
     return uses
 
 
-# ---------------------------------------------------------------- the rewrite
+# ---------------------------------------------------------------- the rewrite (both kinds)
 
-def _rewrite(step, bmm: torch.fx.Node) -> str | None:
-    """Rewrite one bmm's norm and clipped-sum uses; '' if it is no DP pattern, a reason if it is
-    one that cannot be rewritten, None when done."""
-    g_t, x = bmm.args[0], bmm.args[1]                       # [B, out, T], [B, T, in]
-    batch, out_features, in_features = _shape(bmm)
-    size_of = {"b": batch, "o": out_features, "i": in_features}
-    uses = [(user, _classify(user, value, labels))
-            for user, value, labels in _labelled_uses(bmm, [("b",), ("o",), ("i",)], size_of)]
-    if not any(kind for _, kind in uses):
+def _rewrite(step, candidate: _Candidate) -> str | None:
+    """Rewrite one per-sample gradient's norm and clipped-sum uses; '' if it is no DP pattern,
+    a reason if it is one that cannot be rewritten, None when done."""
+    reads = _labelled_uses(candidate.root, candidate.labels, candidate.size_of, candidate.through)
+    uses = [(user, state, _classify(user, value, labels)) for user, value, labels, state in reads]
+    if not any(kind for _, _, kind in uses):
+        shared = next((user for user, _, labels, _ in reads
+                       if _sum_feeds_dp_uses(user, labels, candidate.size_of)), None)
+        if shared is not None:
+            return (f"{candidate.what} is added to another per-sample gradient by {shared.name}: a weight "
+                    "shared by two layers (e.g. a tied embedding and output head) or used twice; the "
+                    "norm of such a sum is not rewritten, so it is left as it was (exact)")
         return ""                                             # not a per-sample gradient norm
-    other = next((user for user, kind in uses if kind is None), None)
+    if candidate.refuse:
+        return f"{candidate.what}: {candidate.refuse}"
+    other = next((user for user, _, kind in uses if kind is None), None)
     if other is not None:
-        return (f"per-sample gradient [B={batch}, {out_features}, {in_features}] is also used by "
-                f"{other.name} ({other.target}); only its squared norm and a coefficient-weighted sum "
-                "over the batch can be computed without materializing it")
+        return (f"{candidate.what} is also used by {other.name} ({other.target}); only its squared "
+                "norm and a coefficient-weighted sum over the batch can be computed without "
+                "materializing it")
 
     graph, emit = step.graph, step.emit
-
-    def contiguous(node):
-        return emit(aten.clone.default, node, memory_format=torch.contiguous_format)
-
-    for _, kind in uses:
+    for _, state, kind in uses:
         if kind[0] == "norm":
             total = kind[1]
             with graph.inserting_before(total):
-                g = emit(aten.permute.default, g_t, [0, 2, 1])                           # [B, T, out]
-                norm = emit(torch.ops.optpass.per_sample_grad_sq_norm.default, x, g, "auto")
+                norm = candidate.norm(state)
                 if norm.meta["val"].dtype != total.meta["val"].dtype:
                     norm = emit(aten._to_copy.default, norm, dtype=total.meta["val"].dtype)
             total.replace_all_uses_with(norm)
         else:
             _, result, coef, layout = kind
             with graph.inserting_before(result):
-                tokens = batch * _shape(x)[1]
-                c = emit(aten.view.default, contiguous(coef), [batch, 1, 1])
-                g = emit(aten.permute.default, g_t, [0, 2, 1])                           # [B, T, out]
-                scaled = emit(aten.view.default, contiguous(emit(aten.mul.Tensor, g, c)), [tokens, out_features])
-                rows = emit(aten.view.default, contiguous(x), [tokens, in_features])
-                weight = emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)  # [out, in]
-                if layout == ("i", "o"):
-                    weight = contiguous(emit(aten.permute.default, weight, [1, 0]))
+                weight = candidate.clipped_sum(coef, state)                           # [R, C]
+                if layout == ("c", "r"):
+                    weight = _contiguous(emit, emit(aten.permute.default, weight, [1, 0]))
+                if weight.meta["val"].dtype != result.meta["val"].dtype:
+                    weight = emit(aten._to_copy.default, weight, dtype=result.meta["val"].dtype)
                 new = emit(aten.view.default, weight, _shape(result))
             result.replace_all_uses_with(new)
     return None
 
 
+def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
+    """Is ``user`` an add of this per-sample gradient (a view of it labelled ``labels``) and another
+    same-shaped tensor, whose result is used by a squared norm or a clipped sum (a shared weight)?"""
+    if user.target is not aten.add.Tensor or len(user.args) != 2 or not all(
+            isinstance(a, torch.fx.Node) and _shape(a) == _shape(user) for a in user.args):
+        return False
+    return any(_classify(u, value, lab) for u, value, lab, _ in _labelled_uses(user, labels, size_of))
+
+
+def _contiguous(emit, node):
+    return emit(aten.clone.default, node, memory_format=torch.contiguous_format)
+
+
+def _flat_view(emit, node, shape):
+    """view(node, shape), copying first only if node's value is not contiguous."""
+    if not node.meta["val"].is_contiguous():
+        node = _contiguous(emit, node)
+    return emit(aten.view.default, node, shape)
+
+
+def _coef_column(emit, coef, batch):
+    """coef (any [.., B, ..] view with ones elsewhere) as a contiguous [B, 1, 1]."""
+    return emit(aten.view.default, _contiguous(emit, coef), [batch, 1, 1])
+
+
+# ---------------------------------------------------------------- Linear weights: bmm(Gᵀ, X)
+
+def _linear_candidate(step, bmm: torch.fx.Node) -> _Candidate:
+    g_t, x = bmm.args[0], bmm.args[1]                       # [B, out, T], [B, T, in]
+    batch, out_features, in_features = _shape(bmm)
+    emit = step.emit
+
+    def norm(state):
+        g = emit(aten.permute.default, g_t, [0, 2, 1])                                   # [B, T, out]
+        return emit(torch.ops.optpass.per_sample_grad_sq_norm.default, x, g, "auto")
+
+    def clipped_sum(coef, state):
+        tokens = batch * _shape(x)[1]
+        c = _coef_column(emit, coef, batch)
+        g = emit(aten.permute.default, g_t, [0, 2, 1])                                   # [B, T, out]
+        scaled = emit(aten.view.default, _contiguous(emit, emit(aten.mul.Tensor, g, c)), [tokens, out_features])
+        rows = emit(aten.view.default, _contiguous(emit, x), [tokens, in_features])
+        return emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)   # [out, in]
+
+    return _Candidate(what=f"per-sample gradient [B={batch}, {out_features}, {in_features}]", root=bmm,
+                      labels=[("b",), ("r",), ("c",)],
+                      size_of={"b": batch, "r": out_features, "c": in_features},
+                      norm=norm, clipped_sum=clipped_sum)
+
+
+# ---------------------------------------------------------------- Embedding weights: a scatter into [B·vocab, d]
+
+_SCATTERS = {aten.embedding_dense_backward.default, aten._unsafe_masked_index_put_accumulate.default}
+
+
+def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
+    """vmap's batched embedding backward: the B samples' [vocab, d] gradients as ONE scatter of the
+    tokens' output gradients into [B·vocab, d] at rows ``x_bt + b·vocab``. Two traced forms:
+      * aten graph:      embedding_dense_backward(values, x + offsets, B·vocab, -1, scale_grad_by_freq)
+      * Inductor graph:  _unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], values)
+                         (embedding_dense_backward decomposed)
+    with offsets = arange(0, B·vocab, vocab) viewed [B, 1, ..]. nn.Embedding's padding_idx is not
+    in the scatter (vmap passes -1): it is a select_scatter of zeros into row padding_idx of the
+    [B, vocab, d] view, which ``through`` follows."""
+    if node.target not in _SCATTERS or _rank(node) != 2:
+        return None
+    args = node.args
+    refuse, mask, zeros = None, None, None
+    if node.target is aten.embedding_dense_backward.default:
+        values, index, _, padding_idx, scale_grad_by_freq = args[:5]
+        if padding_idx != -1:
+            return None                                       # not vmap's batched form
+        if scale_grad_by_freq:
+            refuse = ("scale_grad_by_freq=True divides by token counts inside embedding_dense_backward; "
+                      "left as it was")
+    else:
+        zeros, mask, indices, values = args[:4]
+        if len(indices) != 1:
+            return None
+        index = indices[0]
+    if zeros is not None and not _is_zeros(zeros):
+        return None
+    split = _split_sample_offsets(index)
+    if split is None:
+        return None
+    local, batch, vocab = split
+    if not _looked_up(local, vocab):
+        return None
+    rows, dim = _shape(node)
+    index_shape, values_shape = _shape(index), _shape(values)
+    if rows != batch * vocab or index_shape is None or values_shape != index_shape + [dim]:
+        return None
+    if mask is not None and (_shape(mask) is None
+                             or list(torch.broadcast_shapes(_shape(mask), values_shape)) != values_shape):
+        return None
+    tokens = math.prod(index_shape[1:])
+    if tokens >= vocab and refuse is None:
+        # The rewrite keeps the tokens' [B, T, d] gradients alive instead of [B, vocab, d]: a gain
+        # only when T < vocab (e.g. a position table indexed by all its rows gains nothing).
+        refuse = (f"{tokens} tokens per sample >= vocab {vocab}: the [B, vocab, d] tensor is no larger "
+                  "than the tokens' gradients the rewrite would keep; left as it was")
+    graph, emit = step.graph, step.emit
+    prepared = {}
+
+    def ids_and_values():
+        """[B, T] token ids (0 <= id < vocab: _looked_up) and [B, T, d] the values scattered
+        (masked-out tokens zeroed). Emitted once, before the scatter, where all their inputs exist."""
+        if not prepared:
+            with graph.inserting_before(node):
+                ids = local
+                if _shape(ids) != index_shape:
+                    ids = emit(aten.expand.default, ids, index_shape)
+                ids = _flat_view(emit, ids, [batch, tokens])
+                vals = values if mask is None else emit(aten.mul.Tensor, values, mask)
+                vals = _flat_view(emit, vals, [batch, tokens, dim])
+            prepared.update(ids=ids, vals=vals)
+        return prepared["ids"], prepared["vals"]
+
+    def norm(padding_idx):
+        ids, vals = ids_and_values()
+        pad = -1 if padding_idx is None else padding_idx
+        return emit(torch.ops.optpass.embedding_per_sample_grad_sq_norm.default, ids, vals, pad, "auto")
+
+    def clipped_sum(coef, padding_idx):
+        ids, vals = ids_and_values()
+        c = _coef_column(emit, coef, batch)
+        if c.meta["val"].dtype != vals.meta["val"].dtype:
+            c = emit(aten._to_copy.default, c, dtype=vals.meta["val"].dtype)
+        scaled = emit(aten.view.default, emit(aten.mul.Tensor, vals, c), [batch * tokens, dim])
+        flat_ids = emit(aten.view.default, ids, [batch * tokens])
+        if node.target is aten.embedding_dense_backward.default:     # padding handled by the op itself
+            pad = -1 if padding_idx is None else padding_idx
+            return emit(aten.embedding_dense_backward.default, scaled, flat_ids, vocab, pad, False)
+        value = _val(node)
+        like = dict(dtype=value.dtype, layout=torch.strided, device=value.device, pin_memory=False)
+        total = emit(aten.index_put.default, emit(aten.full.default, [vocab, dim], 0, **like),
+                     [flat_ids], scaled, True)
+        if padding_idx is not None:
+            total = emit(aten.select_scatter.default, total, emit(aten.full.default, [dim], 0, **like),
+                         0, padding_idx)
+        return total
+
+    def through(user, value, labels, padding_idx):
+        return _through_padding(user, value, labels, padding_idx, vocab)
+
+    return _Candidate(what=f"Embedding per-sample gradient [B={batch}, vocab={vocab}, d={dim}]", root=node,
+                      labels=[("b", "r"), ("c",)], size_of={"b": batch, "r": vocab, "c": dim},
+                      norm=norm, clipped_sum=clipped_sum, through=through, refuse=refuse)
+
+
+def _through_padding(user, value, labels, padding_idx, vocab):
+    """nn.Embedding's padding_idx under vmap: ``select_scatter(P [B, vocab, d], zeros, 1, pad)`` keeps
+    P's labels with row ``pad`` of every sample zeroed (the state becomes pad). The ``select`` that
+    only feeds a ``fill`` (the zeros' shape) reads no value of P: skipped."""
+    if user.target is aten.select_scatter.default and user.args[0] is value:
+        src, dim, index = user.args[1:4]
+        dim %= len(labels)
+        index %= vocab
+        if labels[dim] == ("r",) and _is_zeros(src) and padding_idx in (None, index):
+            return labels, index
+        return None
+    if user.target is aten.select.int and user.args[0] is value and user.users \
+            and all(u.target is aten.fill.Scalar for u in user.users):
+        return _SKIP
+    return None
+
+
+def _is_zeros(node) -> bool:
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target in (aten.full.default, aten.full_like.default, aten.fill.Scalar):
+        return node.args[1] == 0
+    if node.target is aten.new_full.default:
+        return node.args[2] == 0
+    return node.target in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+
+
+def _strip_views(node):
+    while isinstance(node, torch.fx.Node) and node.target in _REGROUPING:
+        node = node.args[0]
+    return node
+
+
+def _looked_up(ids: torch.fx.Node, vocab: int) -> bool:
+    """Do the same ids (some view of them) index a forward ``embedding`` of a [vocab, d] weight?
+    That lookup checks 0 <= id < vocab at run time, so sample b's tokens land in its own rows
+    [b·vocab, (b+1)·vocab) of the batched scatter."""
+    base = _strip_views(ids)
+    views, stack = set(), [base]
+    while stack:
+        node = stack.pop()
+        views.add(node)
+        stack.extend(u for u in node.users if u.target in _REGROUPING and u.args[0] is node and u not in views)
+    return any(user.target is aten.embedding.default and user.args[1] is view
+               and (_shape(user.args[0]) or [None])[0] == vocab
+               for view in views for user in view.users)
+
+
+def _split_sample_offsets(index) -> tuple[torch.fx.Node, int, int] | None:
+    """index = add(x, offsets) with offsets = [0, V, 2V, ..] along dim 0 ([B, 1, .., 1]):
+    (x, B, V), else None. This is how vmap batches an embedding lookup's rows (sample b owns
+    rows [bV, (b+1)V))."""
+    if not isinstance(index, torch.fx.Node) or index.target is not aten.add.Tensor or len(index.args) != 2:
+        return None
+    index_shape = _shape(index)
+    if index_shape is None or not index_shape or index.kwargs.get("alpha", 1) != 1:
+        return None
+    batch = index_shape[0]
+    for offsets, local in (index.args, index.args[::-1]):
+        if _shape(offsets) != [batch] + [1] * (len(index_shape) - 1) or _shape(local) is None:
+            continue
+        base = _strip_views(offsets)
+        if base.target is aten.arange.start_step and base.args[0] == 0 and len(base.args) >= 3:
+            step = base.args[2]
+        elif base.target is torch.ops.prims.iota.default and base.kwargs.get("start") == 0:
+            step = base.kwargs.get("step")
+        else:
+            continue
+        if _shape(base) != [batch] or not isinstance(step, int) or step <= 0:
+            continue
+        if list(torch.broadcast_shapes(_shape(local), _shape(offsets))) != index_shape:
+            continue
+        return local, batch, step
+    return None
+
+
 def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
-    """('norm', sum node) | ('sum', result node, coef node, (o, i) order) | None."""
+    """('norm', sum node) | ('sum', result node, coef node, (r, c) order) | None."""
     # squared norm: pow(v, 2) or mul(v, v), then a sum over every dim but b
     if (user.target is aten.pow.Tensor_Scalar and user.args[1] == 2) or (
             user.target is aten.mul.Tensor and user.args[0] is value and user.args[1] is value):
@@ -210,9 +515,9 @@ def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
                 if reduced == set(range(len(labels))) - set(batch_dims):
                     return ("norm", total)
         return None
-    # clipped sum: bmm(coef [1, 1, B], v [1, B, o·i]) contracting b
+    # clipped sum: bmm(coef [1, 1, B], v [1, B, r·c]) contracting b
     if user.target is aten.bmm.default and user.args[1] is value and len(labels) == 3 \
-            and labels[0] == () and labels[1] == ("b",) and set(labels[2]) == {"o", "i"}:
+            and labels[0] == () and labels[1] == ("b",) and set(labels[2]) == {"r", "c"}:
         coef = user.args[0]
         coef_shape = _shape(coef)
         if coef_shape is not None and coef_shape[:2] == [1, 1]:
@@ -227,7 +532,7 @@ def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
                 and math.prod(coef_shape) == size_of_batch(labels, coef_shape, batch_dims[0])
                 and {d % len(labels) for d in total.args[1]} == set(batch_dims)):
             rest = tuple(a for d, group in enumerate(labels) if d != batch_dims[0] for a in group)
-            if set(rest) == {"o", "i"}:
+            if set(rest) == {"r", "c"}:
                 return ("sum", total, coef, rest)
     return None
 
