@@ -69,6 +69,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
 
     import optpass
     import optpass.zero1
+    from optpass.passes.shard_optimizer import collectives_in
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
@@ -121,14 +122,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
         for _ in range(3):
             compiled(x, y)
     report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
-    collectives = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
-    for node in report.graph_after.nodes:
-        name = getattr(node.target, "__name__", "")
-        for kind in collectives:
-            if name.startswith(kind):
-                val = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
-                collectives[kind][0] += 1
-                collectives[kind][1] += val.numel() * val.element_size()
+    collectives = collectives_in(report.graph_after)
     variants["optpass"] = (lambda: compiled(x, y), None, None)
 
     for name in ("ddp", "ddp-zero"):

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import optpass
 import optpass.zero1
+from optpass.passes.shard_optimizer import collectives_in
 
 STEPS = 20
 PER_RANK = 3
@@ -106,19 +107,6 @@ def train_ddp_zero(rank: int, optimizer: str, world: int) -> nn.Module:
     return model
 
 
-def collectives(graph) -> dict:
-    """Count and size the functional collectives of a graph (bytes each rank sends in / gets out)."""
-    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
-    for node in graph.nodes:
-        name = getattr(node.target, "__name__", "")
-        for kind in found:
-            if name.startswith(kind):
-                val = node.meta["val"] if kind != "reduce_scatter" else node.args[0].meta["val"]
-                found[kind][0] += 1
-                found[kind][1] += val.numel() * val.element_size()
-    return found
-
-
 def _collective_positions(graph) -> dict:
     """How many gradient GEMMs run after the first reduce-scatter (0: all collectives after backward)."""
     nodes = list(graph.nodes)
@@ -166,7 +154,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
             "bucket_state_bytes": largest_bucket * unsharded // (8 * sum(p.numel() for p in model.parameters())),
             "buckets": len(sharded.layout.buckets),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "collectives": collectives(report.graph_after),
+            "collectives": collectives_in(report.graph_after),
             "ddp_bucket_padding_elements": sharded.layout.collective_elements() - sum(p.numel() for p in model.parameters()),
             **_collective_positions(report.graph_after),
             "notes": [n for o in report.passes for n in o.notes],

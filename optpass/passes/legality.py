@@ -52,17 +52,22 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
                 "pipeline and expert parallelism split or reroute a parameter's gradient across "
                 "ranks and micro-batches, so it is not final inside this step's backward. "
                 "Drop optimizer_in_backward for this model, or train it without pipeline/expert parallelism.")
-    if captured.kind is GraphKind.FORWARD:
-        where = f" ({captured.split_line})" if captured.split_line else ""
-        raise OptpassError(
-            f"optimizer_in_backward needs backward() inside the compiled step, but the step stops "
-            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
-            f"`{SUPPORTED_SHAPE}`.")
+    _refuse_backward_outside(captured, "optimizer_in_backward")
     if captured.kind is not GraphKind.STEP:
         return
     _refuse_unseen_gradient_transforms(captured)
     _refuse_parallel_collectives(captured.gm.graph)
     _refuse_coupled_gradients(captured)
+
+
+def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
+    """A rewrite that needs backward in the graph is never proved on a step whose backward is not."""
+    if captured.kind is GraphKind.FORWARD:
+        where = f" ({captured.split_line})" if captured.split_line else ""
+        raise OptpassError(
+            f"{feature} needs backward() inside the compiled step, but the step stops "
+            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
+            f"`{SUPPORTED_SHAPE}`.")
 
 
 def _refuse_unseen_gradient_transforms(captured: CapturedGraph) -> None:
@@ -196,12 +201,7 @@ def check_zero1(captured: CapturedGraph, options) -> None:
     """data_parallel='zero1' averages raw gradients across ranks inside the update: prove the step
     hands it raw gradients (the ops between backward() and opt.step() would see this rank's
     gradients only, where DDP's would see averaged ones)."""
-    if captured.kind is GraphKind.FORWARD:
-        where = f" ({captured.split_line})" if captured.split_line else ""
-        raise OptpassError(
-            f"data_parallel='zero1' needs backward() inside the compiled step, but the step stops "
-            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
-            f"`{SUPPORTED_SHAPE}`.")
+    _refuse_backward_outside(captured, "data_parallel='zero1'")
     if captured.kind is not GraphKind.STEP:
         return
     _refuse_unseen_gradient_transforms(captured)

@@ -178,3 +178,19 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
     env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
     emit.nodes += copy_slice(emit.step, update, env, write_param=False)
     return env[update.writes[update.param]]
+
+
+def collectives_in(graph: torch.fx.Graph) -> dict[str, list[int]]:
+    """Count and size a graph's functional collectives: kind -> [count, bytes per rank].
+
+    Bytes are the buffer each rank hands in (reduce-scatter) or gets out
+    (all-gather, all-reduce), the figure to compare with DDP's all-reduce buckets."""
+    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        for kind, counts in found.items():
+            if name.startswith(kind):
+                val = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
+                counts[0] += 1
+                counts[1] += val.numel() * val.element_size()
+    return found
