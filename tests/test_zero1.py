@@ -14,7 +14,8 @@ from distributed import RankError, run_ranks, values
 CASES = [
     {"optimizer": opt, "partition": partition, "in_backward": in_backward}
     for opt in ("AdamW", "SGD") for partition in ("even", "greedy") for in_backward in (False, True)
-] + [{"optimizer": "AdamW", "partition": "even", "in_backward": True, "lower": "inductor"}]
+] + [{"optimizer": "AdamW", "partition": "even", "in_backward": True, "lower": "inductor"},
+     {"optimizer": "SGD", "partition": "greedy", "in_backward": False, "scheduler": True}]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -25,7 +26,7 @@ def trained(request):
 
 def _label(case) -> str:
     return (f"{case['optimizer']}/{case['partition']}/{'in-backward' if case['in_backward'] else 'after-backward'}"
-            f"/{case.get('lower', 'eager')}")
+            f"/{case.get('lower', 'eager')}{'/StepLR' if case.get('scheduler') else ''}")
 
 
 def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(trained):

@@ -78,18 +78,26 @@ def rel_diff(model_a, model_b) -> float:
     return worst
 
 
-def train_single_process(optimizer: str, world: int, steps: int = STEPS) -> nn.Module:
+def scheduler(opt, case: dict):
+    """A StepLR halving every 5 steps if the case asks for one (lr changes mid-run), else None."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if case.get("scheduler") else None
+
+
+def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: dict | None = None) -> nn.Module:
     model = make_model()
     opt = make_optimizer(optimizer, param_groups(model))
+    lr_schedule = scheduler(opt, case or {})
     for i in range(steps):
         x, y = global_batch(i, world)
         loss_fn(model, x, y).backward()
         opt.step()
         opt.zero_grad()
+        if lr_schedule is not None:
+            lr_schedule.step()
     return model
 
 
-def train_ddp_zero(rank: int, optimizer: str, world: int) -> nn.Module:
+def train_ddp_zero(rank: int, optimizer: str, world: int, case: dict) -> nn.Module:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -99,11 +107,14 @@ def train_ddp_zero(rank: int, optimizer: str, world: int) -> nn.Module:
     groups = param_groups(model)
     opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, weight_decay=0.1, **kwargs)
     opt.add_param_group(groups[1])
+    lr_schedule = scheduler(opt, case)
     for i in range(STEPS):
         x, y = local(global_batch(i, world), rank)
         loss_fn(ddp, x, y).backward()
         opt.step()
         opt.zero_grad()
+        if lr_schedule is not None:
+            lr_schedule.step()
     return model
 
 
@@ -127,13 +138,16 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
                    "partition": case["partition"], "optimizer_in_backward": case.get("in_backward", False),
                    "bucket_bytes": BUCKET_BYTES}
         step = torch.compile(make_step(model, opt), backend="optpass", options=options)
+        lr_schedule = scheduler(opt, case)
         with optpass.keep_graphs():
             for i in range(STEPS):
                 step(*local(global_batch(i, world), rank))
                 assert all(p.grad is None for p in model.parameters())
+                if lr_schedule is not None:
+                    lr_schedule.step()
         report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
         sharded = optpass.zero1.sharded_state(opt)
-        reference = train_single_process(case["optimizer"], world)
+        reference = train_single_process(case["optimizer"], world, case=case)
         # unsharded state bytes: what torch.optim holds for the same model after one step
         unsharded_opt = make_optimizer(case["optimizer"], param_groups(train_single_process(case["optimizer"], world, 1)))
         for group in unsharded_opt.param_groups:
@@ -148,7 +162,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         results.append({
             **case,
             "vs_single_process": rel_diff(model, reference),
-            "vs_ddp_zero": rel_diff(model, train_ddp_zero(rank, case["optimizer"], world)),
+            "vs_ddp_zero": rel_diff(model, train_ddp_zero(rank, case["optimizer"], world, case)),
             "state_bytes": state_bytes, "unsharded_state_bytes": unsharded,
             "state_bytes_per_element": unsharded // sum(p.numel() for p in model.parameters()),
             "bucket_state_bytes": largest_bucket * unsharded // (8 * sum(p.numel() for p in model.parameters())),
