@@ -240,7 +240,7 @@ class ShardedStep(OptimizerInBackwardStep):
 
     def _step_eagerly(self, outputs: list) -> None:
         gradients = {i: outputs[self.captured.gradient_outputs[name]] for i, name in self.names.items()}
-        _eager(self.sharded.step_eagerly)(gradients)
+        _eager(self.sharded.step_eagerly)(gradients, self.options.clip_grad_norm)
 
     def _update_source(self):
         shard_optimizer = self.sharded.shard_optimizer
@@ -256,7 +256,8 @@ class ShardedStep(OptimizerInBackwardStep):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan
 
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
-                                    in_backward=self.options.optimizer_in_backward)
+                                    in_backward=self.options.optimizer_in_backward,
+                                    clip_grad_norm=self.options.clip_grad_norm)
 
 
 def _eager(fn: Callable) -> Callable:

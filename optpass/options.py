@@ -47,7 +47,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("accumulation_steps", (int,), 1,
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
     Option("clip_grad_norm", (type(None), float, int), None,
-           "with optimizer_in_backward: exact global-norm clipping to this max norm (one extra backward)"),
+           "with optimizer_in_backward (one extra backward) or data_parallel (one all-reduce of a scalar): "
+           "exact global-norm clipping to this max norm"),
     Option("data_parallel", (type(None), str), None,
            "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph",
            choices=(None, "zero1")),
@@ -133,16 +134,22 @@ def _check_combinations(options: Options) -> None:
     if options.optimizer_in_backward and options.optimizer is None:
         raise OptpassError("optimizer_in_backward needs the optimizer: "
                            "options={'optimizer': opt, 'optimizer_in_backward': True}")
-    if options.clip_grad_norm is not None and (not options.optimizer_in_backward or options.clip_grad_norm <= 0):
-        raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward; without "
-                           "optimizer_in_backward call torch.nn.utils.clip_grad_norm_ in the step")
+    if options.clip_grad_norm is not None and (
+            not (options.optimizer_in_backward or options.data_parallel) or options.clip_grad_norm <= 0):
+        raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward or "
+                           "data_parallel; without them call torch.nn.utils.clip_grad_norm_ in the step")
     if options.data_parallel is not None:
         if options.optimizer is None:
             raise OptpassError("data_parallel='zero1' needs the optimizer: "
                                "options={'optimizer': opt, 'data_parallel': 'zero1'}")
-        if options.clip_grad_norm is not None or options.accumulation_steps > 1:
-            raise OptpassError("data_parallel='zero1' does not support clip_grad_norm or "
-                               "accumulation_steps yet; train without them, or without data_parallel")
+        if options.accumulation_steps > 1:
+            raise OptpassError("data_parallel='zero1' does not support accumulation_steps yet; train "
+                               "without it, or without data_parallel")
+        if options.clip_grad_norm is not None and options.optimizer_in_backward:
+            raise OptpassError(
+                "clip_grad_norm with data_parallel='zero1' and optimizer_in_backward is not supported: "
+                "the global norm needs every bucket's averaged gradients before any update, which "
+                "undoes the in-backward placement. Use one of the two with clip_grad_norm.")
         if options.bucket_bytes < 1:
             raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
     if options.accumulation_steps < 1:

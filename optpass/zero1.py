@@ -254,12 +254,19 @@ class ShardedOptimizer:
     # -------------------------------------------------------------- the eager update
 
     @torch.no_grad()
-    def step_eagerly(self, gradients: dict[int, torch.Tensor]) -> None:
+    def step_eagerly(self, gradients: dict[int, torch.Tensor], clip_grad_norm: float | None = None) -> None:
         """The reference ZeRO-1 update (and torch.optim's state creation): same collectives as the graph."""
         rank, world = self.pg.rank, self.pg.world
+        chunks = []
         for bucket in self.layout.buckets:
             flat_grads = torch.cat(bucket_input(bucket, world, lambda i: gradients[i]))
-            grad_chunk = _wait(_functional.reduce_scatter_tensor(flat_grads, "avg", world, self.pg.name))
+            chunks.append(_wait(_functional.reduce_scatter_tensor(flat_grads, "avg", world, self.pg.name)))
+        if clip_grad_norm is not None:                  # clip_grad_norm_ of the averaged gradients
+            local = sum((c * c).sum() for c in chunks)
+            norm = _wait(_functional.all_reduce(local, "sum", self.pg.name)).sqrt()
+            coef = (clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            chunks = [c * coef for c in chunks]
+        for bucket, grad_chunk in zip(self.layout.buckets, chunks):
             shard = self.shards.get(bucket.index)
             if shard is not None:
                 shard.copy_(torch.cat([self.params[s.param][1].reshape(-1)[s.start:s.stop]

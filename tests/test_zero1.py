@@ -15,7 +15,8 @@ CASES = [
     {"optimizer": opt, "partition": partition, "in_backward": in_backward}
     for opt in ("AdamW", "SGD") for partition in ("even", "greedy") for in_backward in (False, True)
 ] + [{"optimizer": "AdamW", "partition": "even", "in_backward": True, "lower": "inductor"},
-     {"optimizer": "SGD", "partition": "greedy", "in_backward": False, "scheduler": True}]
+     {"optimizer": "SGD", "partition": "greedy", "in_backward": False, "scheduler": True},
+     {"optimizer": "AdamW", "partition": "even", "in_backward": False, "clip": 0.05}]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -26,7 +27,8 @@ def trained(request):
 
 def _label(case) -> str:
     return (f"{case['optimizer']}/{case['partition']}/{'in-backward' if case['in_backward'] else 'after-backward'}"
-            f"/{case.get('lower', 'eager')}{'/StepLR' if case.get('scheduler') else ''}")
+            f"/{case.get('lower', 'eager')}{'/StepLR' if case.get('scheduler') else ''}"
+            f"{'/clip' if case.get('clip') else ''}")
 
 
 def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(trained):
@@ -35,6 +37,16 @@ def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(train
         for result in results:
             assert result["vs_single_process"] <= 1e-5, (rank, _label(result), result)
             assert result["vs_ddp_zero"] <= 1e-5, (rank, _label(result), result)
+
+
+def test_clip_grad_norm_option_clips_the_averaged_gradients(trained):
+    """The clip case equals clip_grad_norm_ in one process and after DDP's averaging (checked
+    above); here: the clip was active, i.e. it trained differently from the same case unclipped."""
+    _, per_rank = trained
+    clipped = next(r for r in per_rank[0] if r.get("clip"))
+    plain = next(r for r in per_rank[0] if r["optimizer"] == "AdamW" and r["partition"] == "even"
+                 and not r["in_backward"] and not r.get("clip") and r.get("lower", "eager") == "eager")
+    assert abs(clipped["checksum"] - plain["checksum"]) > 1e-6 * plain["checksum"]
 
 
 def test_optimizer_state_per_rank_is_one_nth_within_one_bucket(trained):
@@ -58,7 +70,8 @@ def test_collective_bytes_equal_ddp_all_reduce(trained):
     world, per_rank = trained
     for result in per_rank[0]:
         found = result["collectives"]
-        assert found["all_reduce"][0] == 0
+        # clip_grad_norm: one all-reduce of a scalar (the squared norm); otherwise none
+        assert found["all_reduce"][0] == (1 if result.get("clip") else 0)
         assert found["reduce_scatter"][0] == found["all_gather"][0] == result["buckets"] > 1
         assert found["reduce_scatter"][1] == found["all_gather"][1]
         padding = found["reduce_scatter"][1] - result["param_bytes"]

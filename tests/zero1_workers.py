@@ -83,6 +83,11 @@ def scheduler(opt, case: dict):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if case.get("scheduler") else None
 
 
+def clip(model, case: dict) -> None:
+    if case.get("clip") is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+
+
 def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: dict | None = None) -> nn.Module:
     model = make_model()
     opt = make_optimizer(optimizer, param_groups(model))
@@ -90,6 +95,7 @@ def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: d
     for i in range(steps):
         x, y = global_batch(i, world)
         loss_fn(model, x, y).backward()
+        clip(model, case or {})
         opt.step()
         opt.zero_grad()
         if lr_schedule is not None:
@@ -111,6 +117,7 @@ def train_ddp_zero(rank: int, optimizer: str, world: int, case: dict) -> nn.Modu
     for i in range(STEPS):
         x, y = local(global_batch(i, world), rank)
         loss_fn(ddp, x, y).backward()
+        clip(model, case)                      # DDP's gradients are averaged by now
         opt.step()
         opt.zero_grad()
         if lr_schedule is not None:
@@ -137,6 +144,8 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         options = {"optimizer": opt, "data_parallel": "zero1", "lower": case.get("lower", "eager"),
                    "partition": case["partition"], "optimizer_in_backward": case.get("in_backward", False),
                    "bucket_bytes": BUCKET_BYTES}
+        if case.get("clip") is not None:
+            options["clip_grad_norm"] = case["clip"]
         step = torch.compile(make_step(model, opt), backend="optpass", options=options)
         lr_schedule = scheduler(opt, case)
         with optpass.keep_graphs():
@@ -162,6 +171,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         results.append({
             **case,
             "vs_single_process": rel_diff(model, reference),
+            "checksum": sum(p.detach().double().abs().sum().item() for p in model.parameters()),
             "vs_ddp_zero": rel_diff(model, train_ddp_zero(rank, case["optimizer"], world, case)),
             "state_bytes": state_bytes, "unsharded_state_bytes": unsharded,
             "state_bytes_per_element": unsharded // sum(p.numel() for p in model.parameters()),

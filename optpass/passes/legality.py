@@ -221,8 +221,9 @@ def check_zero1(captured: CapturedGraph, options) -> None:
             f"data_parallel='zero1' refused: the step transforms gradients before opt.step() at "
             f"{where or node.name}. zero1 averages gradients across ranks inside the update, so this "
             "code would see one rank's gradients, not the averaged ones DDP gives it (clipping would "
-            "clip the wrong norm). Remove the transform from the step (e.g. scale the loss "
-            "instead), or train without data_parallel.")
+            "clip the wrong norm). For global-norm clipping remove clip_grad_norm_ from the step and "
+            "pass options={..., 'clip_grad_norm': max_norm}; otherwise remove the transform (e.g. "
+            "scale the loss instead), or train without data_parallel.")
 
 
 def _is_gradient_plumbing(node: torch.fx.Node) -> bool:

@@ -56,6 +56,7 @@ class ShardPlan:
     lr_index: dict[int, int]                   # param group -> Dynamo input index
     state_index: dict[tuple[str, str], int]    # (shard name, state key) -> Dynamo input index
     in_backward: bool
+    clip_grad_norm: float | None = None        # global-norm clipping of the averaged gradients
 
     def digest(self) -> str:
         """What makes this rank's rewritten graph differ from another's (Inductor cache key)."""
@@ -93,6 +94,14 @@ def shard_update(step, plan: ShardPlan) -> None:
     inputs = placeholders_by_dynamo_index(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
     end = step.output_node.prev
+    if plan.clip_grad_norm is not None:
+        with graph.inserting_before(end.next):
+            emit = _Emitter(step)
+            _emit_clipped_update(emit, plan, gradients, inputs)
+        for node in emit.nodes:
+            node.meta[REGION_KEY] = UPDATE
+        step.gradient_nodes.clear()
+        return
     for bucket in layout.buckets:
         names = [plan.names[i] for i in bucket.params]
         if plan.in_backward:
@@ -139,8 +148,32 @@ class _Emitter:
 
 
 def _emit_bucket(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict, inputs: dict) -> None:
-    sharded, layout = plan.sharded, plan.sharded.layout
-    world, rank, group_name = layout.world, sharded.rank, sharded.pg.name
+    chunk = _emit_reduce_scatter(emit, plan, bucket, gradients)
+    _emit_update_and_gather(emit, plan, bucket, chunk, inputs)
+
+
+def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, gradients: dict, inputs: dict) -> None:
+    """clip_grad_norm_ on the averaged gradients: every bucket's reduce-scatter first, then one
+    all_reduce of the chunks' squared norms gives the global norm, then the scaled updates."""
+    layout, group_name = plan.sharded.layout, plan.sharded.pg.name
+    chunks = [_emit_reduce_scatter(emit, plan, bucket, gradients) for bucket in layout.buckets]
+    squares = [emit(aten.sum.default, emit(aten.mul.Tensor, c, c)) for c in chunks]
+    local = squares[0]
+    for square in squares[1:]:
+        local = emit(aten.add.Tensor, local, square)
+    total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
+    norm = emit(aten.sqrt.default, total)
+    # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
+    coef = emit(aten.clamp_max.default,
+                emit(aten.reciprocal.default,
+                     emit(aten.mul.Tensor, emit(aten.add.Tensor, norm, 1e-6), 1.0 / plan.clip_grad_norm)), 1.0)
+    for bucket, chunk in zip(layout.buckets, chunks):
+        _emit_update_and_gather(emit, plan, bucket, emit(aten.mul.Tensor, chunk, coef), inputs)
+
+
+def _emit_reduce_scatter(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> torch.fx.Node:
+    """This rank's chunk of the bucket's gradients, averaged over the ranks."""
+    layout = plan.sharded.layout
     numel = {i: layout.shapes[i].numel() for i in bucket.params}
     flat_grad = {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
     pieces = []
@@ -149,8 +182,16 @@ def _emit_bucket(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict, input
         used = sum(s.numel for s in segments)
         if used < bucket.chunk:
             pieces.append(emit.zeros(flat_grad[bucket.params[0]], bucket.chunk - used))
-    scattered = emit(functional.reduce_scatter_tensor.default, emit.cat(pieces), "avg", world, group_name)
-    chunk = emit(functional.wait_tensor.default, scattered)
+    scattered = emit(functional.reduce_scatter_tensor.default, emit.cat(pieces), "avg", layout.world,
+                     plan.sharded.pg.name)
+    return emit(functional.wait_tensor.default, scattered)
+
+
+def _emit_update_and_gather(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: dict) -> None:
+    """Update this rank's shard from its gradient chunk, all-gather, write every parameter."""
+    sharded, layout = plan.sharded, plan.sharded.layout
+    world, rank, group_name = layout.world, sharded.rank, sharded.pg.name
+    numel = {i: layout.shapes[i].numel() for i in bucket.params}
     owned = bucket.owned(rank)
     if owned:
         params = {i: plan.names[i] for i in bucket.params}
