@@ -25,10 +25,12 @@ _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
 
 def __getattr__(name):
     # The analysis tools load on first use: the backend itself does not need them.
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in ("zero1", "checkpoint"):           # submodules, loaded on first use
+        return importlib.import_module(f"optpass.{name}")
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
