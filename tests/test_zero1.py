@@ -7,6 +7,7 @@ tests/zero1_workers.py. Cases are batched per world so each world starts once.
 from __future__ import annotations
 
 import pytest
+from expecttest import TestCase
 
 import zero1_workers as workers
 from distributed import RankError, run_ranks, values
@@ -178,3 +179,64 @@ def test_zero1_without_torch_distributed_is_a_clear_error():
     with pytest.raises(Exception, match="OptpassError: data_parallel='zero1' needs torch.distributed: call "
                                         "torch.distributed.init_process_group"):
         step(*workers.local(workers.global_batch(0, 1), 0))
+
+
+class TestShardOptimizerGraph(TestCase):
+    def test_graph_diff_reduce_scatter_shard_update_all_gather_per_bucket(self):
+        """Rank 0 of 2: per bucket the gradients are cut into rank-major chunks, reduce-scattered
+        ("avg"), rank 0's chunk updated by SGD's own momentum update, all-gathered and copied
+        into the parameters; the gradient outputs become None."""
+        diff = values(run_ranks(2, workers.rewritten_graph_diff))[0]
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -40,8 +39,0 @@
+-empty_like_0: f32[2, 3] = aten.empty_like(in0, pin_memory=False)
+-copy_0: f32[2, 3] = aten.copy(empty_like_0, t_8)
+-empty_like_1: f32[2] = aten.empty_like(in1, pin_memory=False)
+-copy_1: f32[2] = aten.copy(empty_like_1, view_1)
+-empty_like_2: f32[1, 2] = aten.empty_like(in3, pin_memory=False)
+-copy_2: f32[1, 2] = aten.copy(empty_like_2, t_5)
+-empty_like_3: f32[1] = aten.empty_like(in4, pin_memory=False)
+-copy_3: f32[1] = aten.copy(empty_like_3, view_0)
+@@ -49 +41,39 @@
+-return (detach_2, copy_0, copy_1, copy_2, copy_3)
++view_2: f32[1] = aten.view(view_0, [-1])
++view_3: f32[2] = aten.view(t_5, [-1])
++view_4: f32[2] = aten.view(view_1, [-1])
++view_5: f32[6] = aten.view(t_8, [-1])
++slice_0: f32[1] = aten.slice.Tensor(view_5, 0, 0, 1)
++slice_1: f32[5] = aten.slice.Tensor(view_5, 0, 1, 6)
++full_0: f32[1] = aten.full([1], 0.0, dtype=torch.float32, layout=torch.strided, device=device('cpu'), pin_memory=False)
++cat_0: f32[12] = aten.cat([view_2, view_3, view_4, slice_0, slice_1, full_0])
++reduce_scatter_tensor_0: f32[6] = _c10d_functional.reduce_scatter_tensor(cat_0, 'avg', 2, '0')
++wait_tensor_0: f32[6] = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
++view_6: f32[1] = aten.view(in4, [-1])
++view_7: f32[2] = aten.view(in3, [-1])
++view_8: f32[2] = aten.view(in1, [-1])
++view_9: f32[6] = aten.view(in0, [-1])
++slice_2: f32[1] = aten.slice.Tensor(view_9, 0, 0, 1)
++cat_1: f32[6] = aten.cat([view_6, view_7, view_8, slice_2])
++mul_2: f32[6] = aten.mul.Tensor(in7, 0.9)
++add_0: f32[6] = aten.add.Tensor(mul_2, wait_tensor_0)
++neg_0: f64[] = aten.neg(in6)
++fma_0: f32[6] = prims.fma(add_0, neg_0, cat_1)
++copy_0: f32[6] = aten.copy(cat_1, fma_0)
++copy__0: f32[6] = aten.copy_(in7, add_0)
++all_gather_into_tensor_0: f32[12] = _c10d_functional.all_gather_into_tensor(copy_0, 2, '0')
++wait_tensor_1: f32[12] = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
++slice_3: f32[1] = aten.slice.Tensor(wait_tensor_1, 0, 0, 1)
++view_10: f32[1] = aten.view(slice_3, [1])
++copy__1: f32[1] = aten.copy_(in4, view_10)
++slice_4: f32[2] = aten.slice.Tensor(wait_tensor_1, 0, 1, 3)
++view_11: f32[1, 2] = aten.view(slice_4, [1, 2])
++copy__2: f32[1, 2] = aten.copy_(in3, view_11)
++slice_5: f32[2] = aten.slice.Tensor(wait_tensor_1, 0, 3, 5)
++view_12: f32[2] = aten.view(slice_5, [2])
++copy__3: f32[2] = aten.copy_(in1, view_12)
++slice_6: f32[1] = aten.slice.Tensor(wait_tensor_1, 0, 5, 6)
++slice_7: f32[5] = aten.slice.Tensor(wait_tensor_1, 0, 6, 11)
++cat_2: f32[6] = aten.cat([slice_6, slice_7])
++view_13: f32[2, 3] = aten.view(cat_2, [2, 3])
++copy__4: f32[2, 3] = aten.copy_(in0, view_13)
++return (detach_2, None, None, None, None)""")

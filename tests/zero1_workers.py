@@ -258,3 +258,20 @@ def ranks_agree_on_parameters(rank: int, world: int) -> float:
     everyone = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
     return max((e - flat).abs().max().item() for e in everyone)
+
+
+def rewritten_graph_diff(rank: int, world: int) -> str:
+    """The shard_optimizer pass's graph diff on this rank: a 2-layer MLP (11 float32 elements,
+    44 bytes: one bucket of 64), SGD with momentum, even partition (2 ranks: 6 + 6 elements, one
+    of them padding; the first weight is cut between the ranks), lower='eager'."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager",
+                                  "bucket_bytes": 64})
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    with optpass.keep_graphs():
+        for _ in range(2):
+            step(x, y)
+    report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
+    return optpass.graph_diff(report.graph_before, report.graph_after, context=0)
