@@ -135,11 +135,25 @@ class _Emitter:
             value = self(aten.clone.default, value, memory_format=torch.contiguous_format)
         return self(aten.view.default, value, [-1])
 
-    def piece(self, flat: torch.fx.Node, start: int, stop: int, numel: int) -> torch.fx.Node:
-        return flat if (start, stop) == (0, numel) else self(aten.slice.Tensor, flat, 0, start, stop)
+    def piece(self, flat: torch.fx.Node, start: int, stop: int) -> torch.fx.Node:
+        """flat[start:stop], or flat itself when that is all of it."""
+        whole = (start, stop) == (0, flat.meta["val"].numel())
+        return flat if whole else self(aten.slice.Tensor, flat, 0, start, stop)
 
     def cat(self, pieces: list[torch.fx.Node]) -> torch.fx.Node:
         return pieces[0] if len(pieces) == 1 else self(aten.cat.default, pieces)
+
+    def joined(self, ranges: list[tuple], like: torch.fx.Node) -> torch.fx.Node:
+        """cat of flat[start:stop] for (flat, start, stop) in order (flat None: that many zeros like
+        `like`); adjacent ranges of one tensor, e.g. a parameter cut at a chunk border, are one slice."""
+        merged: list[list] = []
+        for flat, start, stop in ranges:
+            if merged and flat is not None and merged[-1][0] is flat and merged[-1][2] == start:
+                merged[-1][2] = stop
+            else:
+                merged.append([flat, start, stop])
+        return self.cat([self.zeros(like, stop - start) if flat is None else self.piece(flat, start, stop)
+                         for flat, start, stop in merged])
 
     def zeros(self, like: torch.fx.Node, n: int) -> torch.fx.Node:
         val = like.meta["val"]
@@ -174,16 +188,15 @@ def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, gradients: dict, input
 def _emit_reduce_scatter(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> torch.fx.Node:
     """This rank's chunk of the bucket's gradients, averaged over the ranks."""
     layout = plan.sharded.layout
-    numel = {i: layout.shapes[i].numel() for i in bucket.params}
     flat_grad = {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
-    pieces = []
-    for segments in bucket.segments:
-        pieces += [emit.piece(flat_grad[s.param], s.start, s.stop, numel[s.param]) for s in segments]
+    ranges = []
+    for segments in bucket.segments:                        # rank-major: chunk r is rank r's
+        ranges += [(flat_grad[s.param], s.start, s.stop) for s in segments]
         used = sum(s.numel for s in segments)
         if used < bucket.chunk:
-            pieces.append(emit.zeros(flat_grad[bucket.params[0]], bucket.chunk - used))
-    scattered = emit(functional.reduce_scatter_tensor.default, emit.cat(pieces), "avg", layout.world,
-                     plan.sharded.pg.name)
+            ranges.append((None, 0, bucket.chunk - used))
+    flat = emit.joined(ranges, like=flat_grad[bucket.params[0]])
+    scattered = emit(functional.reduce_scatter_tensor.default, flat, "avg", layout.world, plan.sharded.pg.name)
     return emit(functional.wait_tensor.default, scattered)
 
 
@@ -191,13 +204,11 @@ def _emit_update_and_gather(emit: _Emitter, plan: ShardPlan, bucket, chunk, inpu
     """Update this rank's shard from its gradient chunk, all-gather, write every parameter."""
     sharded, layout = plan.sharded, plan.sharded.layout
     world, rank, group_name = layout.world, sharded.rank, sharded.pg.name
-    numel = {i: layout.shapes[i].numel() for i in bucket.params}
     owned = bucket.owned(rank)
     if owned:
-        params = {i: plan.names[i] for i in bucket.params}
-        shard = emit.cat([emit.piece(emit.flat(emit.step.param_nodes[params[s.param]]), s.start, s.stop,
-                                     numel[s.param]) for s in bucket.segments[rank]])
-        gradient = emit.piece(chunk, 0, owned, bucket.chunk)
+        shard = emit.joined([(emit.flat(emit.step.param_nodes[plan.names[s.param]]), s.start, s.stop)
+                             for s in bucket.segments[rank]], like=chunk)
+        gradient = emit.piece(chunk, 0, owned)
         new_shard = _emit_update(emit, plan, sharded.shard_name(bucket), shard, gradient, inputs)
         mine = new_shard if owned == bucket.chunk else emit.cat([new_shard, emit.zeros(chunk, bucket.chunk - owned)])
     else:
@@ -205,9 +216,10 @@ def _emit_update_and_gather(emit: _Emitter, plan: ShardPlan, bucket, chunk, inpu
     gathered = emit(functional.wait_tensor.default,
                     emit(functional.all_gather_into_tensor.default, mine, world, group_name))
     for i in bucket.params:
-        parts = [emit(aten.slice.Tensor, gathered, 0, r * bucket.chunk + s.offset,
-                      r * bucket.chunk + s.offset + s.numel) for r, s in bucket.segments_of(i)]
-        value = emit(aten.view.default, emit.cat(parts), list(layout.shapes[i]))
+        at = [r * bucket.chunk + s.offset for r, s in bucket.segments_of(i)]
+        parts = emit.joined([(gathered, a, a + s.numel) for a, (_, s) in zip(at, bucket.segments_of(i))],
+                            like=gathered)
+        value = emit(aten.view.default, parts, list(layout.shapes[i]))
         emit(aten.copy_.default, emit.step.param_nodes[plan.names[i]], value)
 
 
