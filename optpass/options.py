@@ -59,6 +59,11 @@ OPTIONS: tuple[Option, ...] = (
            choices=("even", "greedy")),
     Option("bucket_bytes", (int,), 25 * 1024 * 1024,
            "with data_parallel: gradient bucket size in bytes (one reduce-scatter + all-gather per bucket)"),
+    Option("dp_materialize", (str,), "auto",
+           "DP-SGD (per_sample_grad_norm): 'auto' keeps a Linear weight's [B, out, in] per-sample gradient "
+           "where it is no larger than the [B, T, in] + [B, T, out] tensors book-keeping would keep "
+           "(T·(in+out) > in·out; it also saves a GEMM); 'never' rewrites every one",
+           choices=("auto", "never")),
     Option("pipeline_parallel_degree", (int,), 1,
            "declared pipeline-parallel degree (optimizer_in_backward refuses > 1)"),
     Option("expert_parallel_degree", (int,), 1,
@@ -82,6 +87,7 @@ class Options:
     process_group: Any = None
     partition: str = "even"
     bucket_bytes: int = 25 * 1024 * 1024
+    dp_materialize: str = "auto"
     pipeline_parallel_degree: int = 1
     expert_parallel_degree: int = 1
 
@@ -111,7 +117,7 @@ class Options:
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
-                     self.data_parallel, self.partition, self.bucket_bytes))
+                     self.data_parallel, self.partition, self.bucket_bytes, self.dp_materialize))
 
 
 def _check_type(option: Option, value: Any) -> None:

@@ -102,7 +102,8 @@ def per_sample_sized(graph, hidden=HIDDEN):
 @pytest.mark.parametrize("tokens", [0, 5])
 def test_no_per_sample_weight_gradient_remains_and_memory_drops(tokens):
     (model, opt), _ = twins()
-    step = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
+    step = torch.compile(make_dp_step(model, opt), backend="optpass",
+                         options={"lower": "eager", "dp_materialize": "never"})
     optpass.report.clear_reports()
     with optpass.keep_graphs():
         step(*batch(0, tokens))
@@ -113,6 +114,32 @@ def test_no_per_sample_weight_gradient_remains_and_memory_drops(tokens):
     norm_ops = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
     assert len(norm_ops) == 2                                   # one per Linear weight
     assert sum(1 for n in report.graph_after.nodes if n.target is torch.ops.aten.mm.default) >= 2
+
+
+def test_auto_keeps_a_layer_materialized_where_book_keeping_would_keep_more_and_explain_says_why():
+    """tokens 5: the first layer (8 -> 16) has T·(in+out) = 120 < in·out = 128 and is rewritten;
+    the second (16 -> 4) has 100 > 64, so book-keeping's X and G would outweigh its [B, 4, 16]
+    per-sample gradient: dp_materialize='auto' keeps that one, and the step stays exact
+    (test_rewritten_dp_step_equals_the_original[5] runs this mix for many steps)."""
+    (model, opt), _ = twins()
+    step = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        step(*batch(0, 5))
+    report = next(r for r in optpass.recent_reports() if r.graph_after is not None and r.kind is GraphKind.OTHER)
+    outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
+    assert outcome.status == "applied"
+    norm_ops = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
+    assert [_shape(n.args[1]) for n in norm_ops] == [[B, 5, HIDDEN]]            # the first layer's G only
+    kept = [n for n in report.graph_after.nodes if n.target is torch.ops.aten.bmm.default
+            and list(n.meta["val"].shape) == [B, CLASSES, HIDDEN]]
+    assert len(kept) == 1
+    note = next(note for note in outcome.notes if "kept materialized" in note)
+    assert f"[B={B}, {CLASSES}, {HIDDEN}]" in note and "out·in = 64 elements" in note and "T·(in+out) = 100" in note
+
+
+def _shape(node):
+    return list(node.meta["val"].shape)
 
 
 def test_a_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_why():
@@ -200,8 +227,9 @@ def run_embedding_dp(lower, steps, **embedding_options):
     torch.manual_seed(0)
     model = embedding_model(**embedding_options)
     ref = copy.deepcopy(model)
+    # dp_materialize='never': the Linear head (T·(in+out) > in·out here) is rewritten too
     compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
-                             options={"lower": lower})
+                             options={"lower": lower, "dp_materialize": "never"})
     reference = make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
     optpass.report.clear_reports()
     with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():

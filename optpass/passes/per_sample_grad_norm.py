@@ -24,6 +24,12 @@ Rewrite, per such weight:
     <X Xᵀ, G Gᵀ> when 2T² <= in·out, fact 18), a memory-bounded torch path on CPU;
     the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
     (book-keeping: no second backward).
+    Book-keeping keeps the layer's X [B, T, in] and G [B, T, out] alive until the clip
+    coefficients are known. With ``dp_materialize='auto'`` (the default) a layer where that is
+    MORE than its per-sample gradient, T·(in+out) > in·out (long sequences on narrow layers),
+    is left materialized: smaller, and one GEMM cheaper (its clipped sum is a GEMV). fastDP's
+    "mixed" book-keeping makes the same per-layer switch. ``dp_materialize='never'`` rewrites
+    every Linear weight.
   * Embedding: the squared norm becomes ``optpass::embedding_per_sample_grad_sq_norm(x, g, p)``
     (optpass/kernels, plain torch, memory-bounded): the Gram form
     ||E_b||² = sum_{t,t'} [x_bt == x_bt' != p] <g_bt, g_bt'> for T <= 128 tokens, else
@@ -54,7 +60,8 @@ per-sample gradient is ``sum(G, dim=T)`` -> [B, out]; LayerNorm's weight and bia
 [B, T, d] tensors the backward holds anyway — a per-sample gradient cannot be smaller —
 so their norms and clipped sums (``bmm`` over B) stay.
 
-Leaves alone (the outcome's notes say why): a per-sample gradient with any other use
+Leaves alone (the outcome's notes say why): a Linear per-sample gradient kept by
+``dp_materialize='auto'`` (above); a per-sample gradient with any other use
 (e.g. returned, or clipped per layer); a weight whose per-sample gradient is a sum of two
 (a tied embedding / output head, a layer applied twice) — its norm is not a norm of one
 pattern, so the sum stays materialized and exact; an Embedding with
@@ -110,6 +117,7 @@ class _Candidate:
     clipped_sum: Callable[[torch.fx.Node, object], torch.fx.Node]
     through: Callable | None = None
     refuse: str | None = None        # a DP pattern this pass knows it cannot rewrite exactly
+    keep: str | None = None          # a DP pattern the policy keeps materialized (dp_materialize='auto')
 
 
 def run(step, options) -> str | None:
@@ -117,7 +125,7 @@ def run(step, options) -> str | None:
     rewritten = 0
     for node in list(graph.nodes):
         if _is_outer_product_over_tokens(node):
-            candidate = _linear_candidate(step, node)
+            candidate = _linear_candidate(step, node, options.dp_materialize)
         else:
             candidate = _embedding_candidate(step, node)
         if candidate is None:
@@ -250,6 +258,8 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
         return (f"{candidate.what} is also used by {other.name} ({other.target}); only its squared "
                 "norm and a coefficient-weighted sum over the batch can be computed without "
                 "materializing it")
+    if candidate.keep:
+        return f"{candidate.what}: {candidate.keep}"
 
     graph, emit = step.graph, step.emit
     for _, state, kind in uses:
@@ -300,10 +310,11 @@ def _coef_column(emit, coef, batch):
 
 # ---------------------------------------------------------------- Linear weights: bmm(Gᵀ, X)
 
-def _linear_candidate(step, bmm: torch.fx.Node) -> _Candidate:
+def _linear_candidate(step, bmm: torch.fx.Node, materialize: str = "auto") -> _Candidate:
     g_t, x = bmm.args[0], bmm.args[1]                       # [B, out, T], [B, T, in]
     batch, out_features, in_features = _shape(bmm)
     emit = step.emit
+    keep = _keep_materialized(_shape(x)[1], in_features, out_features) if materialize == "auto" else None
 
     def norm(state):
         g = emit(aten.permute.default, g_t, [0, 2, 1])                                   # [B, T, out]
@@ -320,7 +331,24 @@ def _linear_candidate(step, bmm: torch.fx.Node) -> _Candidate:
     return _Candidate(what=f"per-sample gradient [B={batch}, {out_features}, {in_features}]", root=bmm,
                       labels=[("b",), ("r",), ("c",)],
                       size_of={"b": batch, "r": out_features, "c": in_features},
-                      norm=norm, clipped_sum=clipped_sum)
+                      norm=norm, clipped_sum=clipped_sum, keep=keep)
+
+
+def _keep_materialized(tokens, in_features, out_features) -> str | None:
+    """dp_materialize='auto': why a Linear's [B, out, in] per-sample gradient is better left as it is,
+    or None. Book-keeping keeps the layer's X [B, T, in] and G [B, T, out] alive until the clip
+    coefficients are known (after the whole backward) and pays one more weight-gradient GEMM; the
+    per-sample gradient costs B·out·in and its clipped sum is a GEMV. So when T·(in+out) > in·out
+    (long sequences on narrow layers, fastDP's "mixed" choice) materializing is smaller AND faster."""
+    if not all(isinstance(v, int) for v in (tokens, in_features, out_features)):
+        return None                                          # symbolic sizes: rewrite (bounded memory)
+    kept, materialized = tokens * (in_features + out_features), out_features * in_features
+    if kept <= materialized:
+        return None
+    return (f"kept materialized (dp_materialize='auto'): per sample, out·in = {materialized} elements is "
+            f"less than the T·(in+out) = {kept} of X and G that book-keeping keeps until the clip "
+            "coefficients are known, and it saves one GEMM; options={'dp_materialize': 'never'} "
+            "rewrites it anyway")
 
 
 # ---------------------------------------------------------------- Embedding weights: a scatter into [B·vocab, d]
