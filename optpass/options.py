@@ -62,7 +62,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("dp_materialize", (str,), "auto",
            "DP-SGD (per_sample_grad_norm): 'auto' keeps a Linear weight's [B, out, in] per-sample gradient "
            "where it is no larger than the [B, T, in] + [B, T, out] tensors book-keeping would keep "
-           "(T·(in+out) > in·out; it also saves a GEMM); 'never' rewrites every one",
+           "(T·(in+out) >= in·out; it also saves a GEMM); 'never' rewrites every one",
            choices=("auto", "never")),
     Option("pipeline_parallel_degree", (int,), 1,
            "declared pipeline-parallel degree (optimizer_in_backward refuses > 1)"),
