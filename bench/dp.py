@@ -65,6 +65,7 @@ optpass the best (fastest and smallest) DP variant.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -263,6 +264,10 @@ def child(args) -> None:
                 est = (r.memory_before.peak_bytes, r.memory_after.peak_bytes)
         info.update(pass_status=applied, norm_ops=norm_ops, est_peak_before=est and est[0],
                     est_peak_after=est and est[1])
+        # keep_graphs() made the reports hold the step's graphs (explain's data); a user who
+        # does not ask for them does not keep them: drop them before measuring
+        optpass.report.clear_reports()
+        gc.collect()
         warmup = args.warmup - 1
     else:
         warmup = args.warmup
