@@ -377,7 +377,8 @@ This notebook (CPU, well under two minutes):
    step against the same step run eagerly with the same random seeds;
 2. prints the graph diff of the rewrite;
 3. compares the estimated memory of the graph before and after;
-4. computes the privacy budget ε with Opacus's RDP accountant.
+4. shows which layers of a sequence model keep their per-sample gradient, and why;
+5. computes the privacy budget ε with Opacus's RDP accountant.
 """),
     code("""
 import copy
@@ -425,10 +426,13 @@ teacher = torch.randn(FEATURES, CLASSES, generator=g)
 Y_all = (X_all @ teacher).argmax(1)
 
 
-def make_dp_step(model, opt, batch_size):
+def one_sample_loss(out, y):               # out [1, classes], y a class index
+    return F.cross_entropy(out, y.unsqueeze(0))
+
+
+def make_dp_step(model, opt, batch_size, per_sample_loss=one_sample_loss):
     def loss_of_params(params, x, y):
-        out = functional_call(model, params, (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
+        return per_sample_loss(functional_call(model, params, (x.unsqueeze(0),)), y)
 
     def clipped_noisy_gradients(x, y):
         params = {k: v.detach() for k, v in model.named_parameters()}
@@ -571,7 +575,52 @@ print(f"estimated peak of the step graph: before {before.peak_bytes / MB:.2f} MB
 print(f"parameters: {sum(p.numel() for p in model.parameters()) * 4 / MB:.2f} MB")
 """),
     md("""
-## 5. The privacy budget
+## 5. Sequences: which layers keep their per-sample gradient
+
+With sequence inputs `[B, T, in]` the rewrite (book-keeping) keeps each layer's
+input `X [B, T, in]` and output gradient `G [B, T, out]` until the clip
+coefficients are known, at the end of backward. For a narrow layer and a long
+sequence, `T·(in+out) >= in·out`, that is at least as large as the per-sample
+gradient itself, and the rewrite would also cost one more GEMM. With
+`dp_materialize="auto"` (the default) such a layer keeps its `[B, out, in]`
+(fastDP's "mixed" choice), and the pass's notes say why; `"never"` rewrites every
+layer. Here `T = 8`: `Linear(32, 128)` has 8·160 < 32·128 and is rewritten;
+`Linear(128, 4)` has 8·132 >= 128·4 and is kept. The step is still exact.
+"""),
+    code("""
+T = 8
+
+
+def sequence_loss(out, y):                # out [1, T, classes], y [T]: the mean over the sample's tokens
+    return F.cross_entropy(out[0], y)
+
+
+torch._dynamo.reset()
+torch.manual_seed(0)
+seq_model = MLP((FEATURES, 128, CLASSES))  # applied to every token
+seq_eager = copy.deepcopy(seq_model)
+seq_step = torch.compile(make_dp_step(seq_model, torch.optim.SGD(seq_model.parameters(), lr=0.5), B, sequence_loss),
+                         backend="optpass", options={"lower": "eager"})
+x, y = torch.randn(B, T, FEATURES), torch.randint(0, CLASSES, (B, T))
+optpass.report.clear_reports()
+with optpass.keep_graphs():
+    torch.manual_seed(7)
+    norms = seq_step(x, y)
+torch.manual_seed(7)
+expected = make_dp_step(seq_eager, torch.optim.SGD(seq_eager.parameters(), lr=0.5), B, sequence_loss)(x, y)
+print(f"max |norms - eager norms|: {(norms - expected).abs().max().item():.2e}")
+
+seq_report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+norm_inputs = [tuple(n.args[0].meta["val"].shape) for n in seq_report.graph_after.nodes
+               if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
+print(f"rewritten (per_sample_grad_sq_norm on X of shape): {norm_inputs}")
+for outcome in seq_report.passes:
+    if outcome.name == "per_sample_grad_norm":
+        for note in outcome.notes:
+            print("note:", note)
+"""),
+    md("""
+## 6. The privacy budget
 
 Each step touches a batch of `B` out of `N` samples, with noise multiplier `NOISE`.
 Opacus's RDP accountant turns that into an (ε, δ) guarantee. (Its analysis assumes
@@ -596,6 +645,9 @@ print(f"{STEPS} steps, sample rate {B / N:.4f}, noise multiplier {NOISE}: "
 * The `per_sample_grad_norm` pass removes every `[B, out, in]` per-sample `Linear`
   weight gradient: the norms come from `per_sample_grad_sq_norm`, the clipped sum
   from one GEMM. The step gives the same result as eager PyTorch.
+* With sequences, a layer whose `[B, out, in]` is no larger than the `X` and `G` the
+  rewrite would keep (`T·(in+out) >= in·out`) keeps it (`dp_materialize="auto"`); the
+  notes say which and why.
 * Privacy accounting is unchanged: the step is still DP-SGD with the same clipping
   and noise, so Opacus's accountant applies as is.
 """),
