@@ -160,7 +160,9 @@ def test_a_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_w
     assert outcome.status == "applied"     # the other layer's weight was still rewritten
 
 
-def test_tied_weights_are_kept_exact():
+def test_a_weight_used_twice_is_rewritten_as_one_over_both_uses_tokens_exactly():
+    """mid is applied twice: its per-sample gradient is the sum of two outer products, rewritten as
+    ONE norm op and ONE GEMM over the tokens of both uses (X and G concatenated along T)."""
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -180,17 +182,27 @@ def test_tied_weights_are_kept_exact():
     compiled = torch.compile(make_dp_step(model, opt), backend="optpass", options={"lower": "eager"})
     reference = make_dp_step(ref, ref_opt)
     optpass.report.clear_reports()
-    for step in range(3):
-        x, y = batch(step, 0)
-        torch.manual_seed(step)
-        norms = compiled(x, y)
-        torch.manual_seed(step)
-        torch.testing.assert_close(norms, reference(x, y), rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    notes = [note for r in optpass.recent_reports() for p in r.passes if p.name == "per_sample_grad_norm"
-             for note in p.notes]
-    assert any("added to another per-sample gradient" in note for note in notes)
+    with optpass.keep_graphs():
+        for step in range(6):
+            x, y = batch(step, 0)
+            torch.manual_seed(step)
+            norms = compiled(x, y)
+            torch.manual_seed(step)
+            torch.testing.assert_close(norms, reference(x, y), rtol=1e-5, atol=1e-6)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+    weight_sized = {B * HIDDEN * IN, B * HIDDEN * HIDDEN, B * CLASSES * HIDDEN}
+    assert [n for n in report.graph_before.nodes if n.target is torch.ops.aten.add.Tensor
+            and list(n.meta["val"].shape) == [B, HIDDEN, HIDDEN]]                    # the sum, before
+    assert [n.name for n in report.graph_after.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].dim() >= 2 and n.meta["val"].shape[0] == B
+            and n.meta["val"].numel() in weight_sized] == []
+    norm_inputs = [list(n.args[0].meta["val"].shape) for n in report.graph_after.nodes
+                   if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
+    assert sorted(norm_inputs) == sorted([[B, 1, IN], [B, 2, HIDDEN], [B, 1, HIDDEN]])   # mid: both uses' tokens
+    outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
+    assert not any("added to another per-sample gradient" in note for note in outcome.notes)
 
 
 # ---------------------------------------------------------------- Embedding weights
@@ -264,6 +276,51 @@ def test_embedding_dp_step_equals_the_original_without_a_vocab_sized_per_sample_
     assert count(report.graph_after, torch.ops.optpass.embedding_per_sample_grad_sq_norm.default) == 1
     assert count(report.graph_after, torch.ops.optpass.per_sample_grad_sq_norm.default) == 1    # the Linear
     assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+
+
+class TiedEmbeddingHead(nn.Module):
+    """Embedding and output head sharing one [vocab, d] weight, as GPT-2 does."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, IN, padding_idx=padding_idx)
+        self.mix = nn.Linear(IN, IN)
+        self.head = nn.Linear(IN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.embed(x))))
+
+
+@pytest.mark.parametrize("padding_idx", [None, PAD], ids=["plain", "padding_idx"])
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_a_tied_embedding_and_head_is_one_norm_over_both_uses_exactly(lower, padding_idx):
+    """The tied weight's per-sample gradient is scatter(g) + bmm(Gᵀ, X): the embedding's tokens
+    (one-hot ids, token gradients) and the head's (G, X) concatenated, one norm op, one GEMM."""
+    torch.manual_seed(0)
+    model = TiedEmbeddingHead(padding_idx)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
+                             options={"lower": lower, "dp_materialize": "never"})
+    reference = make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
+    optpass.report.clear_reports()
+    with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():
+        for step in range(3):
+            x, y = token_batch(step)
+            y = x.roll(1, dims=1)                              # predict the previous token: classes = vocab
+            torch.manual_seed(100 + step)
+            norms = compiled(x, y)
+            torch.manual_seed(100 + step)
+            expected = reference(x, y)
+            torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+    tied = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default
+            and _shape(n.args[1]) == [B, 2 * TOKENS, VOCAB]]
+    assert len(tied) == 1
+    assert [n.name for n in report.graph_after.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+            and _shape(n) in ([B, VOCAB, IN], [B * VOCAB, IN])] == []
 
 
 def test_an_embedding_with_no_fewer_tokens_than_rows_is_left_alone_and_explain_says_why():
@@ -354,9 +411,9 @@ class TestPerSampleGradNormGraph(TestCase):
 +permute_1: f32[1, 1, 6] = aten.permute(unsqueeze_4, [1, 2, 0])
 +permute_2: f32[6, 1, 1] = aten.permute(permute_1, [2, 0, 1])
 +view_9: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
++permute_3: f32[6, 1, 4] = aten.permute(view_5, [0, 2, 1])
 +clone_0: f32[1, 1, 6] = aten.clone(view_9, memory_format=torch.contiguous_format)
 +view_10: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
-+permute_3: f32[6, 1, 4] = aten.permute(view_5, [0, 2, 1])
 +mul_3: f32[6, 1, 4] = aten.mul.Tensor(permute_3, view_10)
 +clone_1: f32[6, 1, 4] = aten.clone(mul_3, memory_format=torch.contiguous_format)
 +view_11: f32[6, 4] = aten.view(clone_1, [6, 4])
@@ -404,7 +461,7 @@ class TestPerSampleGradNormGraph(TestCase):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_small_transformer_lm_per_sample_norms_match(tied):
     """Attention, LayerNorm, a position table, an embedding and output head (tied or not): Linear and
-    untied Embedding weights rewritten, the tied embedding/head left alone with a note, all exact."""
+    untied Embedding weights rewritten, the tied embedding/head as one sum over both uses' tokens, all exact."""
     from optpass.models import LMConfig, TinyLM
 
     cfg = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8)
@@ -453,11 +510,17 @@ def test_small_transformer_lm_per_sample_norms_match(tied):
     embedding_norms = count(report.graph_after, torch.ops.optpass.embedding_per_sample_grad_sq_norm.default)
     vocab_by_d = vocab_sized(report.graph_after, batch_size, cfg.vocab, cfg.d_model)
     if tied:
-        assert (linear_norms, embedding_norms) == (6, 0)     # wq, wk, wv, wo and the two MLP weights
-        notes = [note for p in report.passes if p.name == "per_sample_grad_norm" for note in p.notes]
-        assert any("Embedding per-sample gradient" in note and "added to another per-sample gradient" in note
-                   for note in notes)
-        assert vocab_by_d                                     # the tied weight's sum stays materialized
+        # wq, wk, wv, wo, the two MLP weights, and the tied embedding/head as ONE norm op over the
+        # embedding's tokens (one-hot ids, token gradients) and the head's (its G and X)
+        assert (linear_norms, embedding_norms) == (7, 0)
+        tied_norm = [n for n in report.graph_after.nodes
+                     if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default
+                     and list(n.args[1].meta["val"].shape) == [batch_size, 2 * cfg.seq_len, cfg.vocab]]
+        assert len(tied_norm) == 1
+        # (by size alone the one-hot [B, 2T, vocab] = [3, 16, 32] would pass for [B, vocab, d] here)
+        assert [n.name for n in report.graph_after.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                and list(n.meta["val"].shape) in ([batch_size, cfg.vocab, cfg.d_model],
+                                                  [batch_size * cfg.vocab, cfg.d_model])] == []
     else:
         assert (linear_norms, embedding_norms) == (7, 1)     # ... and the head; the embedding
         assert vocab_by_d == []

@@ -38,6 +38,12 @@ Rewrite, per such weight:
     vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
     then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
   After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
+  * A weight used twice (a tied embedding and output head, a Linear applied twice): its
+    per-sample gradient is ``add(P1, P2)``. Each part is a sum over its tokens of outer products
+    g_tᵀ x_t — a Linear's G and X, an Embedding's one-hot ids and token gradients (padding
+    tokens get a zero one-hot row) — so the sum is one over the tokens of both uses:
+    ``X = cat(X1, X2)``, ``G = cat(G1, G2)`` along T, then the same norm op and ONE GEMM.
+    The one-hot [B, T, vocab] is the size of the tied head's output gradient.
 
 How uses are recognised: every view, permute, transpose, (un)squeeze or same-shape
 expand of P is followed with dimension labels (b, r, c: sample, weight rows, weight
@@ -62,9 +68,8 @@ so their norms and clipped sums (``bmm`` over B) stay.
 
 Leaves alone (the outcome's notes say why): a Linear per-sample gradient kept by
 ``dp_materialize='auto'`` (above); a per-sample gradient with any other use
-(e.g. returned, or clipped per layer); a weight whose per-sample gradient is a sum of two
-(a tied embedding / output head, a layer applied twice) — its norm is not a norm of one
-pattern, so the sum stays materialized and exact; an Embedding with
+(e.g. returned, or clipped per layer); a weight used more than twice, or twice with a part
+this pass cannot rewrite (the sum stays materialized and exact); an Embedding with
 ``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
 ``embedding_dense_backward``; in Inductor's graph the division is explicit and the
 pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
@@ -117,19 +122,37 @@ class _Candidate:
     clipped_sum: Callable[[torch.fx.Node, object], torch.fx.Node]
     through: Callable | None = None
     refuse: str | None = None        # a DP pattern this pass knows it cannot rewrite exactly
+    parts: tuple = ()                # for a sum of per-sample gradients: the roots summed
+    tokens: object = None            # T, the tokens per sample summed over (an int, or symbolic)
     keep: str | None = None          # a DP pattern the policy keeps materialized (dp_materialize='auto')
+    outer: Callable | None = None    # state -> (X [B, T, C], G [B, T, R]) with P = sum_t G_tᵀ X_t, emitted
 
 
 def run(step, options) -> str | None:
     graph = step.graph
     rewritten = 0
+    candidates = []
     for node in list(graph.nodes):
         if _is_outer_product_over_tokens(node):
             candidate = _linear_candidate(step, node, options.dp_materialize)
         else:
             candidate = _embedding_candidate(step, node)
-        if candidate is None:
+        if candidate is not None:
+            candidates.append(candidate)
+    # A weight used twice (a tied embedding and output head, a layer applied twice): its
+    # per-sample gradient is the sum of two, rewritten as one over both uses' tokens.
+    in_sums = set()
+    for summed in _sum_candidates(step, candidates, options.dp_materialize):
+        why_not = _rewrite(step, summed)
+        in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
+        if why_not is None:
+            rewritten += 1
+        elif why_not:
+            step.notes.append(f"{summed.root.name}: {why_not}")
+    for candidate in candidates:
+        if candidate.root in in_sums:
             continue
+        node = candidate.root
         why_not = _rewrite(step, candidate)
         if why_not is None:
             rewritten += 1
@@ -248,8 +271,9 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
                        if _sum_feeds_dp_uses(user, labels, candidate.size_of)), None)
         if shared is not None:
             return (f"{candidate.what} is added to another per-sample gradient by {shared.name}: a weight "
-                    "shared by two layers (e.g. a tied embedding and output head) or used twice; the "
-                    "norm of such a sum is not rewritten, so it is left as it was (exact)")
+                    "shared by two layers (e.g. a tied embedding and output head) or used twice, in a sum "
+                    "this pass does not rewrite (more than two uses, or a use it cannot rewrite), so it is "
+                    "left as it was (exact)")
         return ""                                             # not a per-sample gradient norm
     if candidate.refuse:
         return f"{candidate.what}: {candidate.refuse}"
@@ -281,6 +305,56 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
                 new = emit(aten.view.default, weight, _shape(result))
             result.replace_all_uses_with(new)
     return None
+
+
+def _sum_candidates(step, candidates: list[_Candidate], materialize: str) -> list[_Candidate]:
+    """A weight used twice: ``add(P1, P2)`` of two per-sample gradients (views of them with the same
+    labels). Each is a sum over its tokens of outer products g_tᵀ x_t (a Linear's G and X; an
+    Embedding's one-hot ids and token gradients), so their sum is one over the tokens of both:
+    X = cat(X1, X2), G = cat(G1, G2) along T, and the norm op and the clipped GEMM apply as they are."""
+    reaching: dict[torch.fx.Node, list] = {}
+    for candidate in candidates:
+        if candidate.outer is None or candidate.refuse:
+            continue
+        for user, value, labels, state in _labelled_uses(candidate.root, candidate.labels, candidate.size_of,
+                                                         candidate.through):
+            if user.target is aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
+                reaching.setdefault(user, []).append((candidate, value, labels, state))
+    sums = []
+    for add, parts in reaching.items():
+        if len(parts) != 2 or {value for _, value, _, _ in parts} != set(add.args):
+            continue
+        (first, _, labels, state1), (second, _, labels2, state2) = parts
+        if labels != labels2 or first.root is second.root or _shape(add) is None \
+                or any(first.size_of[a] != second.size_of[a] for a in "brc"):
+            continue
+        sums.append(_summed_candidate(step, add, labels, first.size_of, ((first, state1), (second, state2)),
+                                      materialize))
+    return sums
+
+
+def _summed_candidate(step, add, labels, size_of, parts, materialize: str) -> _Candidate:
+    emit = step.emit
+    batch, rows, columns = size_of["b"], size_of["r"], size_of["c"]
+    made = {}
+
+    def outer(_):
+        if not made:                              # both uses' tensors exist before the add
+            with step.graph.inserting_before(add):
+                pieces = [candidate.outer(state) for candidate, state in parts]
+                made["x"] = emit(aten.cat.default, [x for x, _ in pieces], 1)
+                made["g"] = emit(aten.cat.default, [g for _, g in pieces], 1)
+        return made["x"], made["g"]
+
+    tokens = [candidate.tokens for candidate, _ in parts]
+    keep = _keep_materialized(sum(tokens), columns, rows) if materialize == "auto" and all(
+        isinstance(t, int) for t in tokens) else None
+    what = (f"per-sample gradient [B={batch}, {rows}, {columns}] of a weight used twice "
+            f"({parts[0][0].root.name} + {parts[1][0].root.name})")
+    return _Candidate(what=what, root=add, labels=labels, size_of=size_of,
+                      norm=lambda state: _outer_norm(emit, *outer(state)),
+                      clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
+                      keep=keep, parts=tuple(candidate.root for candidate, _ in parts))
 
 
 def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
@@ -316,22 +390,30 @@ def _linear_candidate(step, bmm: torch.fx.Node, materialize: str = "auto") -> _C
     emit = step.emit
     keep = _keep_materialized(_shape(x)[1], in_features, out_features) if materialize == "auto" else None
 
-    def norm(state):
-        g = emit(aten.permute.default, g_t, [0, 2, 1])                                   # [B, T, out]
-        return emit(torch.ops.optpass.per_sample_grad_sq_norm.default, x, g, "auto")
-
-    def clipped_sum(coef, state):
-        tokens = batch * _shape(x)[1]
-        c = _coef_column(emit, coef, batch)
-        g = emit(aten.permute.default, g_t, [0, 2, 1])                                   # [B, T, out]
-        scaled = emit(aten.view.default, _contiguous(emit, emit(aten.mul.Tensor, g, c)), [tokens, out_features])
-        rows = emit(aten.view.default, _contiguous(emit, x), [tokens, in_features])
-        return emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)   # [out, in]
+    def outer(state):
+        return x, emit(aten.permute.default, g_t, [0, 2, 1])                             # [B, T, in], [B, T, out]
 
     return _Candidate(what=f"per-sample gradient [B={batch}, {out_features}, {in_features}]", root=bmm,
                       labels=[("b",), ("r",), ("c",)],
                       size_of={"b": batch, "r": out_features, "c": in_features},
-                      norm=norm, clipped_sum=clipped_sum, keep=keep)
+                      norm=lambda state: _outer_norm(emit, *outer(state)),
+                      clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
+                      keep=keep, outer=outer, tokens=_shape(x)[1])
+
+
+def _outer_norm(emit, x, g):
+    """[B] squared norms of sum_t g_tᵀ x_t, x [B, T, C], g [B, T, R]: the norm op."""
+    return emit(torch.ops.optpass.per_sample_grad_sq_norm.default, x, g, "auto")
+
+
+def _outer_clipped_sum(emit, x, g, coef):
+    """sum_b coef_b sum_t g_btᵀ x_bt [R, C] as ONE GEMM over the B·T rows (book-keeping)."""
+    batch, tokens, columns = _shape(x)
+    rows_of_g = _shape(g)[2]
+    c = _coef_column(emit, coef, batch)
+    scaled = emit(aten.view.default, _contiguous(emit, emit(aten.mul.Tensor, g, c)), [batch * tokens, rows_of_g])
+    rows = emit(aten.view.default, _contiguous(emit, x), [batch * tokens, columns])
+    return emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)       # [R, C]
 
 
 def _keep_materialized(tokens, in_features, out_features) -> str | None:
@@ -448,9 +530,23 @@ def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
     def through(user, value, labels, padding_idx):
         return _through_padding(user, value, labels, padding_idx, vocab)
 
+    def outer(padding_idx):
+        """(values [B, T, d], one_hot(ids) [B, T, vocab]): the scatter as an outer product over tokens,
+        for a sum with a Linear per-sample gradient (a tied head). The one-hot is as large as that
+        head's output gradient [B, T, vocab]; the padding row's tokens get a zero row."""
+        ids, vals = ids_and_values()
+        # prims (not aten.arange / _to_copy): Inductor's post-grad graph has lowerings for these
+        rows = emit(torch.ops.prims.iota.default, vocab, start=0, step=1, dtype=_val(ids).dtype,
+                    device=_val(vals).device, requires_grad=False)
+        hot = emit(aten.eq.Tensor, emit(aten.unsqueeze.default, ids, -1), rows)                    # [B, T, vocab]
+        if padding_idx is not None:
+            hot = emit(aten.logical_and.default, hot, emit(aten.ne.Scalar, rows, padding_idx))
+        return vals, emit(torch.ops.prims.convert_element_type.default, hot, _val(vals).dtype)
+
     return _Candidate(what=f"Embedding per-sample gradient [B={batch}, vocab={vocab}, d={dim}]", root=node,
                       labels=[("b", "r"), ("c",)], size_of={"b": batch, "r": vocab, "c": dim},
-                      norm=norm, clipped_sum=clipped_sum, through=through, refuse=refuse)
+                      norm=norm, clipped_sum=clipped_sum, through=through, refuse=refuse, outer=outer,
+                      tokens=tokens)
 
 
 def _through_padding(user, value, labels, padding_idx, vocab):
