@@ -234,19 +234,18 @@ def count(graph, op):
     return sum(1 for n in graph.nodes if n.target is op)
 
 
-def run_embedding_dp(lower, steps, **embedding_options):
-    """Compiled and eager DP steps on twin Embedding -> Linear models: norms and parameters must agree."""
-    torch.manual_seed(0)
-    model = embedding_model(**embedding_options)
+def run_twins_dp(model, lower, steps, batch_of=None):
+    """Compiled (dp_materialize='never') and eager DP steps on twin models: norms, the samples
+    clipped and the parameters must agree after every step. Returns the step graph's report and
+    the eager twin."""
     ref = copy.deepcopy(model)
-    # dp_materialize='never': the Linear head (T·(in+out) >= in·out here) is rewritten too
     compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
                              options={"lower": lower, "dp_materialize": "never"})
     reference = make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
     optpass.report.clear_reports()
     with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():
         for step in range(steps):
-            x, y = token_batch(step)
+            x, y = (batch_of or token_batch)(step)
             torch.manual_seed(100 + step)
             norms = compiled(x, y)
             torch.manual_seed(100 + step)
@@ -255,9 +254,17 @@ def run_embedding_dp(lower, steps, **embedding_options):
             assert torch.equal(norms > MAX_GRAD_NORM, expected > MAX_GRAD_NORM)
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    return next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None), ref
+
+
+def run_embedding_dp(lower, steps, **embedding_options):
+    """run_twins_dp on an Embedding -> Linear model (the Linear head, T·(in+out) >= in·out here,
+    rewritten too); the padding row stays untouched."""
+    torch.manual_seed(0)
+    model = embedding_model(**embedding_options)
+    report, ref = run_twins_dp(model, lower, steps)
     if embedding_options.get("padding_idx") is not None:
         assert torch.equal(model[0].weight[PAD], ref[0].weight[PAD])
-    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
     outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
     return report, outcome
 
@@ -298,24 +305,12 @@ def test_a_tied_embedding_and_head_is_one_norm_over_both_uses_exactly(lower, pad
     """The tied weight's per-sample gradient is scatter(g) + bmm(Gᵀ, X): the embedding's tokens
     (one-hot ids, token gradients) and the head's (G, X) concatenated, one norm op, one GEMM."""
     torch.manual_seed(0)
-    model = TiedEmbeddingHead(padding_idx)
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
-                             options={"lower": lower, "dp_materialize": "never"})
-    reference = make_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
-    optpass.report.clear_reports()
-    with torch._inductor.config.patch(fallback_random=True), optpass.keep_graphs():
-        for step in range(3):
-            x, y = token_batch(step)
-            y = x.roll(1, dims=1)                              # predict the previous token: classes = vocab
-            torch.manual_seed(100 + step)
-            norms = compiled(x, y)
-            torch.manual_seed(100 + step)
-            expected = reference(x, y)
-            torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER and r.graph_after is not None)
+
+    def previous_token(step):                                  # predict the previous token: classes = vocab
+        x, _ = token_batch(step)
+        return x, x.roll(1, dims=1)
+
+    report, _ = run_twins_dp(TiedEmbeddingHead(padding_idx), lower, 3, previous_token)
     tied = [n for n in report.graph_after.nodes if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default
             and _shape(n.args[1]) == [B, 2 * TOKENS, VOCAB]]
     assert len(tied) == 1
