@@ -392,7 +392,7 @@ class TestPerSampleGradNormGraph(TestCase):
 +stack_0: f32[2, 6] = aten.stack([per_sample_grad_sq_norm_0, sum_3])
 +sum_4: f32[6] = aten.sum.dim_IntList(stack_0, [0])
 +sqrt_0: f32[6] = aten.sqrt(sum_4)
-@@ -73,10 +68,17 @@
+@@ -73,10 +68,16 @@
 -permute_0: f32[1, 1, 6] = aten.permute(unsqueeze_4, [1, 2, 0])
 -permute_1: f32[4, 8, 6] = aten.permute(transpose_2, [1, 2, 0])
 -permute_2: f32[6, 1, 1] = aten.permute(permute_0, [2, 0, 1])
@@ -412,20 +412,19 @@ class TestPerSampleGradNormGraph(TestCase):
 +mul_3: f32[6, 1, 4] = aten.mul.Tensor(permute_3, view_10)
 +clone_1: f32[6, 1, 4] = aten.clone(mul_3, memory_format=torch.contiguous_format)
 +view_11: f32[6, 4] = aten.view(clone_1, [6, 4])
-+clone_2: f32[6, 1, 8] = aten.clone(view_6, memory_format=torch.contiguous_format)
-+view_12: f32[6, 8] = aten.view(clone_2, [6, 8])
++view_12: f32[6, 8] = aten.view(view_6, [6, 8])
 +permute_4: f32[4, 6] = aten.permute(view_11, [1, 0])
 +mm_1: f32[4, 8] = aten.mm(permute_4, view_12)
 +view_13: f32[1, 1, 32] = aten.view(mm_1, [1, 1, 32])
 +view_14: f32[1, 4, 8] = aten.view(view_13, [1, 4, 8])
 +permute_5: f32[4, 8, 1] = aten.permute(view_14, [1, 2, 0])
 +view_15: f32[4, 8] = aten.view(permute_5, [4, 8])
-@@ -84,2 +86,2 @@
+@@ -84,2 +85,2 @@
 -mul_3: f32[4, 8] = aten.mul.Tensor(randn_like_0, 0.5)
 -add_2: f32[4, 8] = aten.add.Tensor(view_14, mul_3)
 +mul_4: f32[4, 8] = aten.mul.Tensor(randn_like_0, 0.5)
 +add_2: f32[4, 8] = aten.add.Tensor(view_15, mul_4)
-@@ -88,10 +90,10 @@
+@@ -88,10 +89,10 @@
 -permute_5: f32[1, 6] = aten.permute(unsqueeze_5, [1, 0])
 -permute_6: f32[4, 6] = aten.permute(view_8, [1, 0])
 -permute_7: f32[6, 1] = aten.permute(permute_5, [1, 0])
@@ -446,7 +445,7 @@ class TestPerSampleGradNormGraph(TestCase):
 +view_18: f32[1, 4] = aten.view(bmm_0, [1, 4])
 +permute_10: f32[4, 1] = aten.permute(view_18, [1, 0])
 +view_19: f32[4] = aten.view(permute_10, [4])
-@@ -99,2 +101,2 @@
+@@ -99,2 +100,2 @@
 -mul_4: f32[4] = aten.mul.Tensor(randn_like_1, 0.5)
 -add_3: f32[4] = aten.add.Tensor(view_18, mul_4)
 +mul_5: f32[4] = aten.mul.Tensor(randn_like_1, 0.5)

@@ -412,7 +412,7 @@ def _outer_clipped_sum(emit, x, g, coef):
     rows_of_g = _shape(g)[2]
     c = _coef_column(emit, coef, batch)
     scaled = emit(aten.view.default, _contiguous(emit, emit(aten.mul.Tensor, g, c)), [batch * tokens, rows_of_g])
-    rows = emit(aten.view.default, _contiguous(emit, x), [batch * tokens, columns])
+    rows = _flat_view(emit, x, [batch * tokens, columns])                               # no copy when contiguous
     return emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)       # [R, C]
 
 
