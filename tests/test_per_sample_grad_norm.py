@@ -160,9 +160,10 @@ def test_a_per_sample_gradient_with_another_use_is_left_alone_and_explain_says_w
     assert outcome.status == "applied"     # the other layer's weight was still rewritten
 
 
-def test_a_weight_used_twice_is_rewritten_as_one_over_both_uses_tokens_exactly():
-    """mid is applied twice: its per-sample gradient is the sum of two outer products, rewritten as
-    ONE norm op and ONE GEMM over the tokens of both uses (X and G concatenated along T)."""
+@pytest.mark.parametrize("uses", [2, 3])
+def test_a_weight_used_several_times_is_rewritten_as_one_over_all_uses_tokens_exactly(uses):
+    """mid is applied `uses` times: its per-sample gradient is a chain of adds of outer products,
+    rewritten as ONE norm op and ONE GEMM over the tokens of all uses (X and G concatenated along T)."""
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -172,8 +173,9 @@ def test_a_weight_used_twice_is_rewritten_as_one_over_both_uses_tokens_exactly()
 
         def forward(self, x):
             h = torch.relu(self.inp(x))
-            h = torch.relu(self.mid(h))
-            return self.out(torch.relu(self.mid(h)))     # the same weight used twice
+            for _ in range(uses):
+                h = torch.relu(self.mid(h))                # the same weight used again
+            return self.out(h)
 
     torch.manual_seed(0)
     model = Tied()
@@ -200,7 +202,7 @@ def test_a_weight_used_twice_is_rewritten_as_one_over_both_uses_tokens_exactly()
             and n.meta["val"].numel() in weight_sized] == []
     norm_inputs = [list(n.args[0].meta["val"].shape) for n in report.graph_after.nodes
                    if n.target is torch.ops.optpass.per_sample_grad_sq_norm.default]
-    assert sorted(norm_inputs) == sorted([[B, 1, IN], [B, 2, HIDDEN], [B, 1, HIDDEN]])   # mid: both uses' tokens
+    assert sorted(norm_inputs) == sorted([[B, 1, IN], [B, uses, HIDDEN], [B, 1, HIDDEN]])   # mid: all uses' tokens
     outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
     assert not any("added to another per-sample gradient" in note for note in outcome.notes)
 

@@ -38,11 +38,12 @@ Rewrite, per such weight:
     vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
     then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
   After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
-  * A weight used twice (a tied embedding and output head, a Linear applied twice): its
-    per-sample gradient is ``add(P1, P2)``. Each part is a sum over its tokens of outer products
+  * A weight used more than once (a tied embedding and output head, a Linear applied k times):
+    its per-sample gradient is ``add(P1, P2)`` (a chain of them for k uses). Each part is a sum
+    over its tokens of outer products
     g_tᵀ x_t — a Linear's G and X, an Embedding's one-hot ids and token gradients (padding
-    tokens get a zero one-hot row) — so the sum is one over the tokens of both uses:
-    ``X = cat(X1, X2)``, ``G = cat(G1, G2)`` along T, then the same norm op and ONE GEMM.
+    tokens get a zero one-hot row) — so the sum is one over the tokens of all uses:
+    ``X = cat(X1, X2, ..)``, ``G = cat(G1, G2, ..)`` along T, then the same norm op and ONE GEMM.
     The one-hot [B, T, vocab] is the size of the tied head's output gradient.
 
 How uses are recognised: every view, permute, transpose, (un)squeeze or same-shape
@@ -68,8 +69,8 @@ so their norms and clipped sums (``bmm`` over B) stay.
 
 Leaves alone (the outcome's notes say why): a Linear per-sample gradient kept by
 ``dp_materialize='auto'`` (above); a per-sample gradient with any other use
-(e.g. returned, or clipped per layer); a weight used more than twice, or twice with a part
-this pass cannot rewrite (the sum stays materialized and exact); an Embedding with
+(e.g. returned, or clipped per layer); a weight used more than once with a use this pass
+cannot rewrite (the sum stays materialized and exact); an Embedding with
 ``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
 ``embedding_dense_backward``; in Inductor's graph the division is explicit and the
 pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
@@ -139,10 +140,10 @@ def run(step, options) -> str | None:
             candidate = _embedding_candidate(step, node)
         if candidate is not None:
             candidates.append(candidate)
-    # A weight used twice (a tied embedding and output head, a layer applied twice): its
-    # per-sample gradient is the sum of two, rewritten as one over both uses' tokens.
+    # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
+    # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
     in_sums = set()
-    for summed in _sum_candidates(step, candidates, options.dp_materialize):
+    for summed in _outermost_sums(step, candidates, options.dp_materialize):
         why_not = _rewrite(step, summed)
         in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
         if why_not is None:
@@ -272,8 +273,7 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
         if shared is not None:
             return (f"{candidate.what} is added to another per-sample gradient by {shared.name}: a weight "
                     "shared by two layers (e.g. a tied embedding and output head) or used twice, in a sum "
-                    "this pass does not rewrite (more than two uses, or a use it cannot rewrite), so it is "
-                    "left as it was (exact)")
+                    "with a use this pass cannot rewrite, so it is left as it was (exact)")
         return ""                                             # not a per-sample gradient norm
     if candidate.refuse:
         return f"{candidate.what}: {candidate.refuse}"
@@ -305,6 +305,25 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
                 new = emit(aten.view.default, weight, _shape(result))
             result.replace_all_uses_with(new)
     return None
+
+
+def _outermost_sums(step, candidates: list[_Candidate], materialize: str) -> list[_Candidate]:
+    """Sums of two per-sample gradients, then sums of those with a third, and so on: the sums that
+    are not themselves part of a larger one, each with ``parts`` = every candidate root inside it."""
+    pending, outermost = list(candidates), {}
+    while True:
+        sums = _sum_candidates(step, pending, materialize)
+        if not sums:
+            return list(outermost.values())
+        used = {part for summed in sums for part in summed.parts}       # direct parts, before flattening
+        for summed in sums:
+            flat = []
+            for part in summed.parts:
+                inner = outermost.pop(part, None)
+                flat.extend(inner.parts if inner is not None else (part,))
+            summed.parts = tuple(flat)
+            outermost[summed.root] = summed
+        pending = [c for c in pending if c.root not in used] + sums
 
 
 def _sum_candidates(step, candidates: list[_Candidate], materialize: str) -> list[_Candidate]:
@@ -349,12 +368,13 @@ def _summed_candidate(step, add, labels, size_of, parts, materialize: str) -> _C
     tokens = [candidate.tokens for candidate, _ in parts]
     keep = _keep_materialized(sum(tokens), columns, rows) if materialize == "auto" and all(
         isinstance(t, int) for t in tokens) else None
-    what = (f"per-sample gradient [B={batch}, {rows}, {columns}] of a weight used twice "
+    what = (f"per-sample gradient [B={batch}, {rows}, {columns}] of a weight used more than once "
             f"({parts[0][0].root.name} + {parts[1][0].root.name})")
     return _Candidate(what=what, root=add, labels=labels, size_of=size_of,
                       norm=lambda state: _outer_norm(emit, *outer(state)),
                       clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
-                      keep=keep, parts=tuple(candidate.root for candidate, _ in parts))
+                      keep=keep, parts=tuple(candidate.root for candidate, _ in parts),
+                      outer=outer, tokens=sum(tokens))
 
 
 def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
