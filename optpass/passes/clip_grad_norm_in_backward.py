@@ -64,14 +64,8 @@ def clip_fused_gradients(step, names: list[str], max_norm: float) -> None:
                 continue
             env[node] = graph.node_copy(node, lambda n: env.get(n, n))
             if node in wanted:
-                squares.append(emit(aten.sum.default, emit(aten.mul.Tensor, env[node], env[node])))
-        sum_of_squares = squares[0]
-        for square in squares[1:]:   # adds, not stack: stack is decomposed before post-grad passes
-            sum_of_squares = emit(aten.add.Tensor, sum_of_squares, square)
-        total = emit(aten.sqrt.default, sum_of_squares)
-        scale = emit(aten.mul.Tensor, emit(aten.reciprocal.default, emit(aten.add.Tensor, total, 1e-6)),
-                     max_norm)
-        coef = emit(aten.clamp_max.default, scale, 1.0)
+                squares.append(squared_norm(emit, env[node]))
+        coef = clip_coefficient(emit, emit(aten.sqrt.default, sum_all(emit, squares)), max_norm)
     # The real backward: each fused gradient is scaled before its update reads it.
     for name, value in values.items():
         with graph.inserting_after(value):
@@ -80,6 +74,25 @@ def clip_fused_gradients(step, names: list[str], max_norm: float) -> None:
         if step.gradient_nodes[name] is value:
             step.gradient_nodes[name] = clipped
     step.annotate_regions()
+
+
+def squared_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
+    """sum(value * value): a 0-d tensor."""
+    return emit(aten.sum.default, emit(aten.mul.Tensor, value, value))
+
+
+def sum_all(emit, values: list[torch.fx.Node]) -> torch.fx.Node:
+    """values[0] + values[1] + ...: adds, not stack (stack is decomposed before post-grad passes)."""
+    total = values[0]
+    for value in values[1:]:
+        total = emit(aten.add.Tensor, total, value)
+    return total
+
+
+def clip_coefficient(emit, norm: torch.fx.Node, max_norm: float) -> torch.fx.Node:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: clamp(max_norm / (norm + 1e-6), max=1)."""
+    scale = emit(aten.mul.Tensor, emit(aten.reciprocal.default, emit(aten.add.Tensor, norm, 1e-6)), max_norm)
+    return emit(aten.clamp_max.default, scale, 1.0)
 
 
 def _backward_cone(step, gradients: list[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
+from optpass.passes.clip_grad_norm_in_backward import clip_coefficient, squared_norm, sum_all
 from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
                                                   placeholders_by_dynamo_index, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
@@ -171,16 +172,9 @@ def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, gradients: dict, input
     all_reduce of the chunks' squared norms gives the global norm, then the scaled updates."""
     layout, group_name = plan.sharded.layout, plan.sharded.pg.name
     chunks = [_emit_reduce_scatter(emit, plan, bucket, gradients) for bucket in layout.buckets]
-    squares = [emit(aten.sum.default, emit(aten.mul.Tensor, c, c)) for c in chunks]
-    local = squares[0]
-    for square in squares[1:]:
-        local = emit(aten.add.Tensor, local, square)
+    local = sum_all(emit, [squared_norm(emit, c) for c in chunks])
     total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
-    norm = emit(aten.sqrt.default, total)
-    # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
-    coef = emit(aten.clamp_max.default,
-                emit(aten.reciprocal.default,
-                     emit(aten.mul.Tensor, emit(aten.add.Tensor, norm, 1e-6), 1.0 / plan.clip_grad_norm)), 1.0)
+    coef = clip_coefficient(emit, emit(aten.sqrt.default, total), plan.clip_grad_norm)
     for bucket, chunk in zip(layout.buckets, chunks):
         _emit_update_and_gather(emit, plan, bucket, emit(aten.mul.Tensor, chunk, coef), inputs)
 
