@@ -365,16 +365,15 @@ def _summed_candidate(step, add, labels, size_of, parts, materialize: str) -> _C
                 made["g"] = emit(aten.cat.default, [g for _, g in pieces], 1)
         return made["x"], made["g"]
 
-    tokens = [candidate.tokens for candidate, _ in parts]
-    keep = _keep_materialized(sum(tokens), columns, rows) if materialize == "auto" and all(
-        isinstance(t, int) for t in tokens) else None
+    tokens = sum(candidate.tokens for candidate, _ in parts)
+    keep = _keep_materialized(tokens, columns, rows, materialize)
     what = (f"per-sample gradient [B={batch}, {rows}, {columns}] of a weight used more than once "
             f"({parts[0][0].root.name} + {parts[1][0].root.name})")
     return _Candidate(what=what, root=add, labels=labels, size_of=size_of,
                       norm=lambda state: _outer_norm(emit, *outer(state)),
                       clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
                       keep=keep, parts=tuple(candidate.root for candidate, _ in parts),
-                      outer=outer, tokens=sum(tokens))
+                      outer=outer, tokens=tokens)
 
 
 def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
@@ -408,7 +407,7 @@ def _linear_candidate(step, bmm: torch.fx.Node, materialize: str = "auto") -> _C
     g_t, x = bmm.args[0], bmm.args[1]                       # [B, out, T], [B, T, in]
     batch, out_features, in_features = _shape(bmm)
     emit = step.emit
-    keep = _keep_materialized(_shape(x)[1], in_features, out_features) if materialize == "auto" else None
+    keep = _keep_materialized(_shape(x)[1], in_features, out_features, materialize)
 
     def outer(state):
         return x, emit(aten.permute.default, g_t, [0, 2, 1])                             # [B, T, in], [B, T, out]
@@ -436,7 +435,7 @@ def _outer_clipped_sum(emit, x, g, coef):
     return emit(aten.mm.default, emit(aten.permute.default, scaled, [1, 0]), rows)       # [R, C]
 
 
-def _keep_materialized(tokens, in_features, out_features) -> str | None:
+def _keep_materialized(tokens, in_features, out_features, materialize: str) -> str | None:
     """dp_materialize='auto': why a Linear's [B, out, in] per-sample gradient is better left as it is,
     or None. Book-keeping keeps the layer's X [B, T, in] and G [B, T, out] alive until the clip
     coefficients are known (after the whole backward) and pays one more weight-gradient GEMM; the
@@ -444,8 +443,8 @@ def _keep_materialized(tokens, in_features, out_features) -> str | None:
     (long sequences on narrow layers, fastDP's "mixed" choice) materializing is no larger AND faster
     (bench/dp.py, T = 128: materializing the 256x256 layers, a tie, made the step 1.44x -> 1.25x of
     non-private at the same memory)."""
-    if not all(isinstance(v, int) for v in (tokens, in_features, out_features)):
-        return None                                          # symbolic sizes: rewrite (bounded memory)
+    if materialize != "auto" or not all(isinstance(v, int) for v in (tokens, in_features, out_features)):
+        return None                                          # 'never', or symbolic sizes: rewrite (bounded memory)
     kept, materialized = tokens * (in_features + out_features), out_features * in_features
     if kept < materialized:
         return None
