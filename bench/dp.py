@@ -114,21 +114,9 @@ def build_model(args):
     return DPLM(cfg), cfg
 
 
-def make_nonprivate_step(model, opt, vocab):
-    import torch.nn.functional as F
-
-    def step(x, y):
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return step
-
-
-def make_noise_floor_step(model, opt, vocab, batch):
+def make_nonprivate_step(model, opt, vocab, noise_batch=None):
+    """loss.backward(); opt.step(). With noise_batch = B: DP-SGD's Gaussian noise (and nothing else of
+    DP-SGD) added to every gradient before the step, the noise-floor variant."""
     import torch
     import torch.nn.functional as F
 
@@ -136,8 +124,9 @@ def make_noise_floor_step(model, opt, vocab, batch):
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
-        for p in model.parameters():
-            p.grad.add_(torch.randn_like(p), alpha=NOISE * MAX_GRAD_NORM / batch)
+        if noise_batch is not None:
+            for p in model.parameters():
+                p.grad.add_(torch.randn_like(p), alpha=NOISE * MAX_GRAD_NORM / noise_batch)
         out = loss.detach()
         opt.step()
         opt.zero_grad()
@@ -205,7 +194,7 @@ def child(args) -> None:
     elif variant == "noise-floor":
         torch._inductor.config.fallback_random = True
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        step = torch.compile(make_noise_floor_step(model, opt, cfg.vocab, args.batch), backend="inductor")
+        step = torch.compile(make_nonprivate_step(model, opt, cfg.vocab, noise_batch=args.batch), backend="inductor")
     elif variant in ("vmap-inductor", "vmap-optpass"):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         backend = "inductor" if variant == "vmap-inductor" else "optpass"
