@@ -1,8 +1,9 @@
 """What every benchmark here measures the same way: Linux process memory and CPU time.
 
+* ``proc_status_kib("VmHWM")`` read before any reset: the whole run's peak RSS, what
+  decides whether a model fits (DESIGN.md, Measuring);
 * ``reset_peak_rss()`` then ``proc_status_kib("VmHWM")``: the steady-state peak RSS
-  of the steps that ran in between (DESIGN.md, Measuring).
-* ``malloc_trim()``: hand the heap's free pages back to the OS (glibc keeps them in RSS).
+  of the steps that ran in between.
 * ``cpu_busy_s()`` / ``children_cpu_s()``: how busy the machine and our children
   were, to tell when other processes disturbed a timing.
 * ``emit_result(dict)`` in a child, ``run_child(cmd, env, timeout)`` in the parent:
@@ -37,16 +38,6 @@ def reset_peak_rss() -> bool:
             f.write("5")
         return True
     except OSError:
-        return False
-
-
-def malloc_trim() -> bool:
-    """glibc: give the free pages of the heap back to the OS (what warm-up freed stays in RSS otherwise)."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
         return False
 
 
