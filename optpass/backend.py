@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 
 from optpass import lowering
-from optpass.capture import (GraphKind, capture, enable_backward_capture, warn_backward_outside,
-                             warn_if_update_recompiles)
+from optpass.capture import (GraphKind, capture, enable_backward_capture, ignore_logging_calls,
+                             warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError
 from optpass.fused_update import OptimizerInBackwardStep, ShardedStep, refuse_update_during_accumulation
 from optpass.passes.legality import check_optimizer_in_backward, check_zero1
@@ -28,6 +28,8 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     options = Options.from_user(options)
     if mode not in (None, "default"):
         raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
+    # Someone may have replaced Dynamo's ignore set since the backend was looked up.
+    ignore_logging_calls()
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import re
+import traceback
 import warnings
 from typing import Any
 
@@ -50,8 +52,38 @@ def enable_backward_capture() -> None:
     This is process-wide Dynamo config: `torch.compile` gives a backend no
     per-compile hook that runs before tracing, and it is inert for code that
     never calls backward() inside a compiled function.
+
+    Also: logging calls in compiled code are skipped instead of breaking the
+    graph (fact 23). A model's forward that logs (Hugging Face's
+    ``logger.warning_once`` in the loss) would otherwise split the step before
+    backward(), and backward would run outside anything optpass can rewrite.
     """
     torch._dynamo.config.trace_autograd_ops = True
+    ignore_logging_calls()
+
+
+# stdlib logging methods, and the ones Hugging Face transformers adds to logging.Logger
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
+
+
+class _LoggingMethods(set):
+    """Dynamo's ignore set, also matching the methods above when a library adds them to
+    logging.Logger after optpass was loaded (transformers does, when it is imported)."""
+
+    def __contains__(self, fn) -> bool:
+        name = getattr(fn, "__name__", None)
+        return set.__contains__(self, fn) or (
+            name in _LOGGER_METHODS and getattr(logging.Logger, name, None) is fn)
+
+
+def ignore_logging_calls() -> None:
+    """Calls of logging.Logger's message methods in compiled code are skipped, not graph breaks.
+
+    Errors and exceptions are not skipped (logger.error / exception / critical still break)."""
+    current = torch._dynamo.config.ignore_logging_functions
+    if not isinstance(current, _LoggingMethods):
+        methods = {getattr(logging.Logger, n) for n in _LOGGER_METHODS if hasattr(logging.Logger, n)}
+        torch._dynamo.config.ignore_logging_functions = _LoggingMethods(set(current) | methods)
 
 
 class GraphKind(str, enum.Enum):
@@ -82,7 +114,7 @@ class CapturedGraph:
     kind: GraphKind
     compile_id: str
     split_reason: str | None              # why Dynamo ended the graph here (a graph break), if it did
-    split_line: SourceLine | None
+    split_line: SourceLine | None         # where it broke: the innermost frame outside torch
     backward_line: SourceLine | None      # the user's loss.backward() line
     params: list[Parameter]
     # step graphs: parameter name -> index of the Dynamo output that becomes p.grad
@@ -95,6 +127,9 @@ class CapturedGraph:
     state_attrs: list[str] = dataclasses.field(default_factory=list)
     # update graphs: placeholder index -> Dynamo source of a hyper-parameter input (e.g. lr)
     hyperparameter_inputs: dict[int, str] = dataclasses.field(default_factory=dict)
+    # a break inside a function the compiled step calls (the model's forward, a library):
+    # the step's own line that called into it; None when the break is in the step's own code
+    split_caller: SourceLine | None = None
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -160,6 +195,7 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         gm=gm, compile_id=compile_id,
         split_reason=_split_reason(split) if split else None,
         split_line=user_line_from_frames(split.user_stack) if split else None,
+        split_caller=_calling_step_line(split) if split else None,
     )
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
@@ -181,6 +217,22 @@ def _split_reason(split) -> str:
     if optim_dir in split.reason or any(optim_dir in frame.filename for frame in split.user_stack):
         return OPTIMIZER_SPLIT + " (torch.optim always compiles as a graph of its own)"
     return split.reason.strip().splitlines()[0]
+
+
+def _calling_step_line(split) -> SourceLine | None:
+    """For a break in code the step calls (the model's forward, a library), the user's line
+    that called into it; None for a break at the step's own backward() (the step shape).
+
+    Dynamo compiles the broken function as a frame of its own, so the break's stack holds that
+    function only; the caller is the innermost user frame on the stack that is compiling it."""
+    if not split.user_stack or "backward(" in (split.user_stack[-1].line or ""):
+        return None
+    if any(f"torch{os.sep}optim{os.sep}" in f.filename for f in split.user_stack):
+        return None
+    inner = split.user_stack[-1]
+    callers = [f for f in traceback.extract_stack()[:-1]
+               if (f.filename, f.lineno) != (inner.filename, inner.lineno)]
+    return user_line_from_frames(callers)
 
 
 def _is_grad_source(name: str | None) -> bool:
@@ -310,6 +362,14 @@ SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_g
 def backward_outside_message(captured: CapturedGraph) -> str:
     where = f" at {captured.split_line}" if captured.split_line else ""
     reason = captured.split_reason or "a graph break"
+    if captured.split_caller is not None:
+        return (
+            f"optpass: the compiled step stops before backward(): Dynamo broke the graph inside code "
+            f"the step calls{where} (called from your step at {captured.split_caller}), because of: "
+            f"{reason}. The step shape is not the cause. backward() and what follows it then run "
+            "outside the captured graph, so optpass cannot see or rewrite them. Fix: make that code "
+            "compile (`torch._dynamo.explain(step)(*batch)` lists every break and its reason), or move "
+            "the call out of the step.")
     return (
         f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
         "backward() and what follows it (gradient clipping, the optimizer) then run outside the "

@@ -156,7 +156,11 @@ class OptimizerInBackwardStep:
         optimizer, names = self._update_source()
         harvested = harvest_update(optimizer, names) if names else None
         groups = harvested.groups if harvested else []
-        created = harvested.created if harvested else {}
+        # created state is stored into opt.state in the optimizer's parameter order, as torch.optim does
+        position = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])} \
+            if optimizer is not None else {}
+        created = dict(sorted((harvested.created if harvested else {}).items(),
+                              key=lambda item: position.get(id(names[item[0][0]]), 0)))
         state_keys = [(name, key) for name, update in harvested.updates.items()
                       for key in update.states if (name, key) not in created] if harvested else []
         # created state goes last: _run stores those inputs into opt.state after the call
@@ -181,7 +185,9 @@ class OptimizerInBackwardStep:
                     + [spec.allocate() for spec in created.values()])
 
         inputs = extras()
-        run = self.compile_fn(gm, args + inputs, {context_key: plan})
+        # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
+        # tensors: a size Dynamo made dynamic (sequence length, last batch) stays symbolic.
+        run = self.compile_fn(gm, _symbolic_inputs(self.gm, args, inputs), {context_key: plan})
         return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
@@ -199,6 +205,20 @@ class OptimizerInBackwardStep:
                     f"from {then[key]!r} to {current[key]!r} after the update was compiled into "
                     "the step. Only lr may change between steps (it is a graph input); e.g. use "
                     f"OneCycleLR(cycle_momentum=False), or drop {self.feature}.")
+
+
+def _symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
+    """Dynamo's example values of the step's inputs (fake tensors, SymInts) + fakes of the extras."""
+    from torch._guards import detect_fake_mode
+
+    examples = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([e for e in examples if isinstance(e, torch.Tensor)])
+    if fake_mode is None or len(examples) != len(args) or any(e is None for e in examples):
+        return list(args) + list(extras)                  # no fake values recorded: static compile
+    with fake_mode:
+        fakes = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+                 for t in extras]
+    return examples + fakes
 
 
 def _layout_of(value: Any) -> Any:

@@ -231,8 +231,6 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     if missing:
         raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
                            "the optimizer's step (is it in this optimizer's param_groups?).")
-    # parameter order, as torch.optim fills opt.state
-    created = {(name, key): created[(name, key)] for name in names for n, key in list(created) if n == name}
     return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
 
 

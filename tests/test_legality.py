@@ -99,6 +99,39 @@ def test_custom_global_norm_transform_is_refused_by_dataflow_not_by_name():
                    f"{THIS_FILE}:")
 
 
+COUPLINGS = {
+    "add_": "ps[1].grad.add_(ps[3].grad.sum())",
+    "copy_": "ps[1].grad.copy_(ps[3].grad[:1].expand_as(ps[1].grad))",
+    "foreach": "torch._foreach_add_([ps[1].grad], [ps[3].grad.sum().expand_as(ps[1].grad)])",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COUPLINGS))
+def test_an_in_place_coupling_is_refused_naming_its_own_line(kind):
+    """The message points at the line that couples two gradients, not at loss.backward()."""
+    model, opt = setup_model()
+    ps = list(model.parameters())
+    coupling = COUPLINGS[kind]
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if kind == "add_":
+            ps[1].grad.add_(ps[3].grad.sum())
+        elif kind == "copy_":
+            ps[1].grad.copy_(ps[3].grad[:1].expand_as(ps[1].grad))
+        else:
+            torch._foreach_add_([ps[1].grad], [ps[3].grad.sum().expand_as(ps[1].grad)])
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    message = assert_refused(compile_fused(train_step, opt), "depends on the gradients of other parameters",
+                             coupling)
+    assert "loss.backward()" not in message.split("combined at")[1].split(".")[0], message
+
+
 def test_per_parameter_gradient_transforms_are_legal():
     model, opt = setup_model()
 

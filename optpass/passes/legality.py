@@ -37,7 +37,8 @@ import operator
 import torch
 import torch.fx
 
-from optpass.capture import OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind
+from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind,
+                             backward_outside_message)
 from optpass.errors import OptpassError, node_user_line
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
@@ -63,6 +64,9 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
 def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
     """A rewrite that needs backward in the graph is never proved on a step whose backward is not."""
     if captured.kind is GraphKind.FORWARD:
+        if captured.split_caller is not None:     # a break in the model's forward, not the step shape
+            message = backward_outside_message(captured).removeprefix("optpass: ")
+            raise OptpassError(f"{feature} needs backward() inside the compiled step. {message[0].upper()}{message[1:]}")
         where = f" ({captured.split_line})" if captured.split_line else ""
         raise OptpassError(
             f"{feature} needs backward() inside the compiled step, but the step stops "
@@ -116,10 +120,12 @@ def gradient_labels(captured: CapturedGraph) -> tuple[dict[torch.fx.Node, frozen
         torch.fx.node.map_arg(value, lambda n: found.update(labels.get(n, ())))
         return frozenset(found)
 
-    def set_label(node, new):
+    def set_label(node, new, at=None):
+        # `at`: the op that did it, when `node` is written in place (its line is the user's
+        # `p.grad.add_(...)`, not the backward() that made the gradient)
         labels[node] = new
         if len(new) > 1:
-            first_mix.setdefault(new, node)
+            first_mix.setdefault(new, at if at is not None else node)
 
     for node in graph.nodes:
         if node.op != "call_function" and node.op != "call_method":
@@ -137,7 +143,7 @@ def gradient_labels(captured: CapturedGraph) -> tuple[dict[torch.fx.Node, frozen
             _label_foreach(node, labels, element_labels, label_of, set_label)
         elif _is_inplace(node) and isinstance(node.args[0], torch.fx.Node):
             target = node.args[0]
-            set_label(target, labels.get(target, frozenset()) | incoming)
+            set_label(target, labels.get(target, frozenset()) | incoming, at=node)
             set_label(node, labels[target])
         elif incoming:
             set_label(node, incoming)
@@ -166,7 +172,7 @@ def _label_foreach(node, labels, element_labels, label_of, set_label) -> None:
     if name.endswith("_") and lists:            # in place: writes the first list, element by element
         for target, label in zip(lists[0], per_element):
             if isinstance(target, torch.fx.Node):
-                set_label(target, labels.get(target, frozenset()) | label)
+                set_label(target, labels.get(target, frozenset()) | label, at=node)
     else:                                        # returns a new list: getitem k reads element k
         element_labels[node] = per_element
     for label in per_element:
