@@ -90,11 +90,16 @@ def _fused(reports) -> bool:
 
 def run_variant(args) -> None:
     import torch
+    import torch._inductor.config
     from tqdm import tqdm
 
     import optpass  # both variants: the same imports, and backward() traced into the step graph
     from optpass.models import MLPLM, batches, synthetic_corpus
 
+    # Both runs compile their graphs, as on a fresh install: B's report needs its passes to run
+    # (optpass.keep_graphs() bypasses Inductor's FX graph cache), and a graph loaded from that
+    # cache would leave A with less compiler memory than B and a shorter compile.
+    torch._inductor.config.fx_graph_cache = False
     memory = _Memory(args.device)       # after the imports, before the model: the baseline
     size = SIZES[args.size]
     torch.manual_seed(0)
