@@ -185,7 +185,7 @@ def _mb(nbytes: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", choices=sorted(SIZES), default="default",
                         help="default: 4 layers of width 3072 (38M parameters); small: width 256, for tests")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
