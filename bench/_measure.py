@@ -1,17 +1,25 @@
 """What every benchmark here measures the same way: Linux process memory and CPU time.
 
+* ``proc_status_kib("VmHWM")`` read before any reset: the whole run's peak RSS, what
+  decides whether a model fits (DESIGN.md, Measuring);
 * ``reset_peak_rss()`` then ``proc_status_kib("VmHWM")``: the steady-state peak RSS
-  of the steps that ran in between (DESIGN.md, Measuring).
-* ``malloc_trim()``: hand the heap's free pages back to the OS (glibc keeps them in RSS).
+  of the steps that ran in between.
 * ``cpu_busy_s()`` / ``children_cpu_s()``: how busy the machine and our children
   were, to tell when other processes disturbed a timing.
+* ``emit_result(dict)`` in a child, ``run_child(cmd, env, timeout)`` in the parent:
+  run one variant in a fresh process and get back its numbers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import statistics
+import subprocess
+import time
+
+RESULT_PREFIX = "RESULT:"
 
 
 def proc_status_kib(field: str) -> int:
@@ -30,16 +38,6 @@ def reset_peak_rss() -> bool:
             f.write("5")
         return True
     except OSError:
-        return False
-
-
-def malloc_trim() -> bool:
-    """glibc: give the free pages of the heap back to the OS (what warm-up freed stays in RSS otherwise)."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
         return False
 
 
@@ -67,3 +65,37 @@ def children_cpu_s() -> float:
 def median(values) -> float:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else float("nan")
+
+
+def emit_result(result: dict) -> None:
+    """Child side: print the numbers as the one line ``run_child`` parses."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_child(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
+    """Run ``cmd`` (a fresh process that calls ``emit_result``) and return its result.
+
+    Adds ``process_wall_s``, ``other_processes_cores`` (cores kept busy by processes other
+    than this child, on average over its run; None off Linux) and ``stderr_warnings``.
+    Exits with the tails of the child's output when it fails, times out or prints no result.
+    """
+    cpu_before, ours_before = cpu_busy_s(), children_cpu_s()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise SystemExit(f"child timed out after {timeout}s: {' '.join(cmd)}\n"
+                         f"--- stderr tail ---\n{err[-4000:]}")
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                         f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result["process_wall_s"] = round(wall, 2)
+    cpu_after, ours_after = cpu_busy_s(), children_cpu_s()
+    result["other_processes_cores"] = None if cpu_before is None or cpu_after is None else round(
+        max(0.0, (cpu_after - cpu_before) - (ours_after - ours_before)) / wall, 2)
+    result["stderr_warnings"] = sorted({ln.strip() for ln in proc.stderr.splitlines() if "Warning" in ln})[:20]
+    return result

@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
          "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
+         "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
          "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
          "optimizer_state_dict": "optpass.checkpoint"}
 
@@ -34,7 +35,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
-    "estimate_peak_memory", "MemoryEstimate", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
+    "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict",
 ]

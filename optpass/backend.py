@@ -88,5 +88,17 @@ def explaining_backend(gm, example_inputs, options=None):
         except OptpassError as error:
             verdict = f"data_parallel='zero1' refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report)
+    if (options.optimizer_in_backward and options.data_parallel is None and captured.kind is GraphKind.STEP
+            and report.legality.startswith("optimizer_in_backward is legal")):
+        # What the first real step compiles: torch.optim's update harvested and spliced in.
+        compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)
+        runtime = OptimizerInBackwardStep(gm, captured, options, None, compile_fn)
+        fused, _ = runtime._compile_fused(list(example_inputs))
+        return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
+    return _lower_dry(gm, example_inputs, {}, captured=captured, options=options, report=report)
+
+
+def _lower_dry(gm, example_inputs, context, *, captured, options, report):
+    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
+                                context=context)
     return lowering.lower_dry(gm, example_inputs, rewrite)

@@ -2,15 +2,25 @@
 
 Dynamo calls this object in place of the step graph. Each call is one
 micro-step; with ``accumulation_steps=K`` calls 1..K-1 run the plain graph
-(gradients accumulate into ``.grad``) and call K runs the fused graph:
+(gradients accumulate into ``.grad``) and call K runs the fused graph.
 
-* **first update** — torch.optim creates its state during its first step (SGD's
-  momentum buffer *is* the first gradient), so the first update runs the plain
-  graph and ``opt.step()`` eagerly, here, on the gradients it produced;
-* **afterwards** — the update is harvested from torch.optim (``harvest.py``),
-  the step graph gets the optimizer's state tensors and each group's lr as
-  extra inputs (fact 22), and the ``optimizer_in_backward`` pass splices each
-  parameter's update in after its gradient is final.
+Every update is fused, the first one included: the update is harvested from
+torch.optim (``harvest.py``) for the optimizer's state *as it is now*, the step
+graph gets the optimizer's state tensors and each group's lr as extra inputs
+(fact 22), and the ``optimizer_in_backward`` pass splices each parameter's
+update in after its gradient is final. So no step of the run holds more than a
+few gradients at once — the whole run's peak is the fused step's:
+
+* **first step** — torch.optim creates its state lazily. What ``_init_group``
+  allocates (Adam's moments, ``step``) is created by the harvest, as torch.optim
+  makes it, before the step runs; what the update itself creates from the
+  gradient (SGD's first momentum buffer *is* the gradient) is allocated here,
+  written by the fused graph, and stored into ``opt.state`` after the call;
+* **state changed** — the graph that ran depends on which state exists (SGD's
+  first step reads no momentum buffer, the second does). Each call computes the
+  state's layout (keys, shapes, dtypes); a new layout — the second step, a
+  ``load_state_dict`` of another shape of state, a param group added with
+  ``add_param_group`` — harvests and compiles again (usually twice a run at most).
 
 Either way the fused parameters' gradient outputs are ``None``: ``p.grad`` is
 None after the step and the ``opt.step()`` in the step has nothing to do
@@ -33,17 +43,16 @@ import torch.fx
 
 from optpass.capture import CapturedGraph
 from optpass.errors import OptpassError
-from optpass.harvest import HarvestedUpdate, harvest_update
+from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 
-# Per optimizer: micro-steps seen and whether torch.optim has created its state.
+# Per optimizer: micro-steps seen (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 @dataclasses.dataclass
 class _Session:
     micro_steps: int = 0
-    updated_once: bool = False
 
 
 @dataclasses.dataclass
@@ -55,6 +64,16 @@ class UpdatePlan:
     state_index: dict[tuple[str, str], int]   # (parameter, state key) -> Dynamo input index
 
 
+@dataclasses.dataclass
+class _FusedGraph:
+    """One compiled fused step, for one layout of the optimizer's state."""
+
+    run: Callable
+    extras: Callable[[], list]                # lr and state inputs, read afresh at every call
+    created: dict[tuple[str, str], CreatedState]
+    hyperparameters: list[dict]
+
+
 class OptimizerInBackwardStep:
     feature = "optimizer_in_backward"
 
@@ -63,48 +82,40 @@ class OptimizerInBackwardStep:
         self.gm, self.captured, self.options, self.compile_fn = gm, captured, options, compile_fn
         self.plain = plain
         self.optimizer: torch.optim.Optimizer = options.optimizer
+        self.session = _SESSIONS.setdefault(self.optimizer, _Session())
+        self._membership: tuple | None = None
+        self._compiled: dict[tuple, _FusedGraph] = {}
+        self._find_fused_parameters()
+
+    def _find_fused_parameters(self) -> None:
+        """The step's parameters that the optimizer updates (again after add_param_group)."""
+        self._membership = tuple(len(g["params"]) for g in self.optimizer.param_groups)
         in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        self.fused = {p.name: p.tensor for p in captured.params
-                      if p.name in captured.gradient_outputs and id(p.tensor) in in_optimizer}
+        self.fused = {p.name: p.tensor for p in self.captured.params
+                      if p.name in self.captured.gradient_outputs and id(p.tensor) in in_optimizer}
         if not self.fused:
             raise OptpassError("optimizer_in_backward: none of the parameters that get gradients in "
                                "this step are in options['optimizer'].")
-        self.fused_slots = [captured.gradient_outputs[name] for name in self.fused]
-        self.session = _SESSIONS.setdefault(self.optimizer, _Session())
-        self._fused: Callable | None = None
-        self._extras: Callable[[], list] | None = None
-        self._hyperparameters: list[dict] | None = None
+        self.fused_slots = [self.captured.gradient_outputs[name] for name in self.fused]
 
     def __call__(self, *args):
         self.session.micro_steps += 1
         if self.session.micro_steps % self.options.accumulation_steps:
             return self.plain(*args)                       # accumulate into .grad
-        if not self.session.updated_once:
-            outputs = list(self.plain(*args))
-            self._step_eagerly(outputs)                    # torch.optim creates its state
-            self.session.updated_once = True
-            return self._without_fused_gradients(outputs)
-        if self._fused is None:
-            self._compile_fused(list(args))
-        self._check_hyperparameters()
-        return self._without_fused_gradients(list(self._fused(*args, *self._extras())))
-
-    # -------------------------------------------------------------- plain
+        if tuple(len(g["params"]) for g in self.optimizer.param_groups) != self._membership:
+            self._find_fused_parameters()                  # add_param_group
+        fused, extras = self._compiled.get(self._state_layout()), None
+        if fused is None:
+            fused, extras = self._compile_fused(list(args))
+            # the harvest created what torch.optim's _init_group creates: key by the layout after it
+            self._compiled[self._state_layout()] = fused
+        self._check_hyperparameters(fused.hyperparameters)
+        return self._without_fused_gradients(list(self._run(fused, args, extras)))
 
     def _without_fused_gradients(self, outputs: list) -> list:
         for slot in self.fused_slots:
             outputs[slot] = None
         return outputs
-
-    @torch._dynamo.disable
-    def _step_eagerly(self, outputs: list) -> None:
-        for name, slot in zip(self.fused, self.fused_slots):
-            self.fused[name].grad = outputs[slot]
-        if self.options.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.fused.values()), self.options.clip_grad_norm)
-        self.optimizer.step()
-        for p in self.fused.values():
-            p.grad = None
 
     # -------------------------------------------------------------- fused
 
@@ -119,13 +130,37 @@ class OptimizerInBackwardStep:
     def _make_plan(self, harvested, lr_index: dict, state_index: dict) -> tuple[str, Any]:
         return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index)
 
+    def _state_layout(self) -> tuple:
+        """Which state exists, of which shape and dtype: the harvested update depends on it."""
+        optimizer, names = self._update_source()
+        if optimizer is None:
+            return self._membership
+        state = optimizer.state
+        return self._membership, tuple(
+            tuple((k, _layout_of(v)) for k, v in state[p].items()) if p in state else ()
+            for p in names.values())
+
     @torch._dynamo.disable
-    def _compile_fused(self, args: list) -> None:
+    def _run(self, fused: _FusedGraph, args, extras: list | None):
+        extras = fused.extras() if extras is None else extras
+        outputs = fused.run(*args, *extras)
+        if fused.created:                                  # state this (first) update created
+            optimizer, names = self._update_source()
+            created = extras[-len(fused.created):]
+            for (name, key), tensor in zip(fused.created, created):
+                optimizer.state[names[name]][key] = tensor
+        return outputs
+
+    @torch._dynamo.disable
+    def _compile_fused(self, args: list) -> tuple[_FusedGraph, list]:
         optimizer, names = self._update_source()
         harvested = harvest_update(optimizer, names) if names else None
         groups = harvested.groups if harvested else []
+        created = harvested.created if harvested else {}
         state_keys = [(name, key) for name, update in harvested.updates.items()
-                      for key in update.states] if harvested else []
+                      for key in update.states if (name, key) not in created] if harvested else []
+        # created state goes last: _run stores those inputs into opt.state after the call
+        state_keys += list(created)
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
@@ -135,26 +170,27 @@ class OptimizerInBackwardStep:
             state_index={nk: first_extra + len(groups) + i for i, nk in enumerate(state_keys)})
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
                     if not isinstance(self._lr(g), torch.Tensor)}
-        params = {name: names[name] for name, _ in state_keys}
+        existing = [(names[name], key) for name, key in state_keys if (name, key) not in created]
 
         def extras() -> list:
             lrs = []
             for g in groups:
                 lr = self._lr(g)
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
-            return lrs + [optimizer.state[params[name]][key] for name, key in state_keys]
+            return (lrs + [optimizer.state[p][key] for p, key in existing]
+                    + [spec.allocate() for spec in created.values()])
 
-        self._extras = extras
-        self._hyperparameters = self._hyperparameter_snapshot()
-        self._fused = self.compile_fn(gm, args + extras(), {context_key: plan})
+        inputs = extras()
+        run = self.compile_fn(gm, args + inputs, {context_key: plan})
+        return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
         keys = [k for k in self.optimizer.defaults if k not in ("lr", "foreach", "fused")]
         return [{k: copy.deepcopy(g.get(k)) for k in keys} for g in self.optimizer.param_groups]
 
-    def _check_hyperparameters(self) -> None:
+    def _check_hyperparameters(self, then_groups: list[dict]) -> None:
         now = self._hyperparameter_snapshot()
-        for index, (then, current) in enumerate(zip(self._hyperparameters, now)):
+        for index, (then, current) in enumerate(zip(then_groups, now)):
             changed = [k for k in then if not _same(then[k], current[k])]
             if changed:
                 key = changed[0]
@@ -163,6 +199,12 @@ class OptimizerInBackwardStep:
                     f"from {then[key]!r} to {current[key]!r} after the update was compiled into "
                     "the step. Only lr may change between steps (it is a graph input); e.g. use "
                     f"OneCycleLR(cycle_momentum=False), or drop {self.feature}.")
+
+
+def _layout_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, value.device
+    return type(value).__name__
 
 
 def refuse_update_during_accumulation(captured: CapturedGraph, options) -> None:
@@ -201,9 +243,9 @@ class ShardedStep(OptimizerInBackwardStep):
     """The step callable for data_parallel='zero1' (with or without optimizer_in_backward).
 
     Same life cycle as OptimizerInBackwardStep, but the update is this rank's
-    shard optimizer's (``zero1.py``): the first update runs eagerly with the same
-    collectives; from the second on the ``shard_optimizer`` pass puts
-    reduce-scatter, shard update and all-gather into the step graph.
+    shard optimizer's (``zero1.py``): from the first update on, the ``shard_optimizer``
+    pass puts reduce-scatter, shard update and all-gather into the step graph (the
+    shard optimizer's state is created 1/N-sized, as torch.optim's first step would).
     """
 
     feature = "data_parallel='zero1'"
@@ -238,9 +280,13 @@ class ShardedStep(OptimizerInBackwardStep):
                 "in the step's collectives makes every other rank's collectives fail (at the latest "
                 "after the process group's timeout).") from error
 
-    def _step_eagerly(self, outputs: list) -> None:
-        gradients = {i: outputs[self.captured.gradient_outputs[name]] for i, name in self.names.items()}
-        _eager(self.sharded.step_eagerly)(gradients, self.options.clip_grad_norm)
+    def _find_fused_parameters(self) -> None:
+        if self._membership is not None:
+            raise OptpassError(
+                "data_parallel='zero1': the optimizer's param groups changed (add_param_group?) after "
+                "the parameters were bucketed and sharded over the ranks. Build the optimizer with every "
+                "param group before the first step.")
+        super()._find_fused_parameters()
 
     def _update_source(self):
         shard_optimizer = self.sharded.shard_optimizer
@@ -258,7 +304,3 @@ class ShardedStep(OptimizerInBackwardStep):
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,
                                     clip_grad_norm=self.options.clip_grad_norm)
-
-
-def _eager(fn: Callable) -> Callable:
-    return torch._dynamo.disable(fn)

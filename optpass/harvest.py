@@ -10,14 +10,33 @@ While harvesting, each param group is switched to the single-tensor
 implementation (``foreach=False``, ``fused=False``: per-parameter ops that can
 be sliced) and a float ``lr`` becomes a 0-d tensor so that the update reads lr
 as an input (a scheduler can change it without a recompile). Everything is
-restored afterwards; parameters and state are not touched by the no-op run.
+restored afterwards; parameters are not touched by the no-op run.
+
+**The first update is harvested too.** torch.optim creates its state lazily,
+at the first ``step()``, in two ways, and the harvest keeps both torch.optim's own:
+
+* ``_init_group`` allocates state (Adam's ``exp_avg``, ``step``; NAdam's
+  ``mu_product``) — Dynamo runs it for real while tracing, so after the harvest
+  that state exists, exactly as torch.optim made it, and the graph reads it;
+* the update itself creates state from the gradient (SGD's first momentum
+  buffer *is* the gradient: ``buf = clone(grad)``) — Dynamo traces that as a
+  graph output that it stores into ``opt.state``. The harvest finds which
+  output became which state entry (the no-op run hands back distinct
+  stand-ins, then looks them up in ``opt.state``), removes the stand-ins, and
+  turns each such output into an in-place write of a new state input
+  (``copy_(new_state, value)``): the runtime allocates that input before the
+  step and stores it into ``opt.state`` after it (``HarvestedUpdate.created``).
+
+The gradients the no-op run needs are stand-ins that own no memory (a 0-d zero
+expanded to the parameter's shape), so harvesting never holds a model's worth
+of gradients: the whole run's peak is the fused step's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.fx
@@ -41,10 +60,24 @@ class ParameterUpdate:
     lr: dict[torch.fx.Node, int]               # lr placeholder the slice reads -> its param group
 
 
+@dataclasses.dataclass(frozen=True)
+class CreatedState:
+    """A state tensor the update creates (SGD's first momentum buffer): allocated by the runtime."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def allocate(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
 @dataclasses.dataclass
 class HarvestedUpdate:
     graphs: list[torch.fx.Graph]               # one per graph torch.optim's step compiled to
     updates: dict[str, ParameterUpdate]        # by parameter name
+    # (parameter, state key) -> what to allocate, for state this update creates (first step)
+    created: dict[tuple[str, str], CreatedState] = dataclasses.field(default_factory=dict)
 
     @property
     def groups(self) -> list[int]:
@@ -56,6 +89,11 @@ def _zeros_like(example):
     from optpass.lowering import _zeros_like
 
     return _zeros_like(example)
+
+
+def _stand_in(like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor of `like`'s shape, dtype and device that owns one element (stride 0)."""
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
 
 
 @contextlib.contextmanager
@@ -71,7 +109,7 @@ def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor])
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
         for p in params:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = _stand_in(p)
         yield
     finally:
         for group, saved in zip(optimizer.param_groups, saved_groups):
@@ -80,30 +118,47 @@ def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor])
             p.grad = grad
 
 
-def _record_update_graphs(optimizer, role_of: dict[int, tuple]) -> list[tuple[torch.fx.GraphModule, list, dict]]:
-    recorded: list[tuple[torch.fx.GraphModule, list, dict]] = []
+@dataclasses.dataclass
+class _Recorded:
+    gm: torch.fx.GraphModule
+    example_inputs: list
+    placeholder_roles: dict[int, tuple]      # Dynamo input index -> role
+    outputs: list                            # the stand-ins the no-op run handed back
+
+
+def _record_update_graphs(optimizer, roles: Callable[[], dict[int, tuple]]) -> list[_Recorded]:
+    """Compile opt.step with a backend that records each graph and runs nothing.
+
+    `roles()` names every tensor the update may read, by identity; it is asked while
+    Dynamo compiles, after torch.optim's ``_init_group`` created any missing state."""
+    recorded: list[_Recorded] = []
 
     def recorder(gm, example_inputs):
         # Dynamo drops the placeholders' examples after the backend returns: read them now.
-        roles = {}
+        role_of, placeholder_roles = roles(), {}
         for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
             grapharg = node.meta.get("grapharg")
             example = grapharg.example if grapharg is not None else None
             source = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
-            roles[index] = role_of.get(id(example), ("unknown", source))
-        recorded.append((gm, list(example_inputs), roles))
+            placeholder_roles[index] = role_of.get(id(example), ("unknown", source))
+        outputs: list = []      # what the no-op run hands back (Dynamo keeps this closure alive)
+        recorded.append(_Recorded(gm, list(example_inputs), placeholder_roles, outputs))
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
                     for a in output.args[0]]
-        return lambda *args: tuple(_zeros_like(e) for e in examples)
+
+        def no_op(*_args):
+            # distinct stand-ins: where Dynamo stores each one (opt.state) says what it is
+            outputs[:] = [_stand_in(e) if isinstance(e, torch.Tensor) else e for e in examples]
+            return tuple(outputs)
+        return no_op
 
     # Some optimizers (SGD) compile one graph per param group; static shapes keep each graph
     # free of symbolic sizes, so each one lowers to aten on its own.
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         torch.compile(optimizer.step, backend=recorder)()
-    graphs = [r for r in recorded if any(n.op == "call_function" for n in r[0].graph.nodes)]
-    # Dynamo keeps the backend (and so this list) alive for the life of the process: drop the
-    # example inputs (the zero gradients, a model's worth of memory) as soon as we have them.
+    graphs = [r for r in recorded if any(n.op == "call_function" for n in r.gm.graph.nodes)]
+    # Dynamo keeps the backend (and so this list) alive for the life of the process.
     recorded.clear()
     if not graphs:
         raise OptpassError(
@@ -112,35 +167,73 @@ def _record_update_graphs(optimizer, role_of: dict[int, tuple]) -> list[tuple[to
     return graphs
 
 
+def _tensor_roles(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> dict[int, tuple]:
+    """Every tensor the update can read, by identity: Dynamo hands it over as an attribute
+    (get_attr) or as an input, depending on where the optimizer's frames broke."""
+    role_of: dict[int, tuple] = {}
+    for name, p in names.items():
+        role_of[id(p)] = ("param", name)
+        role_of[id(p.grad)] = ("gradient", name)
+        for key, t in optimizer.state.get(p, {}).items():
+            if isinstance(t, torch.Tensor):
+                role_of[id(t)] = ("state", (name, key))
+    for g, group in enumerate(optimizer.param_groups):
+        role_of[id(group["lr"])] = ("lr", g)
+    return role_of
+
+
+def _take_created_state(optimizer, names: dict[str, torch.Tensor], entry: _Recorded) -> dict[int, tuple[str, str]]:
+    """Which of the graph's outputs Dynamo stored into opt.state (state the update creates).
+
+    Removes those stand-ins from opt.state again: the fused step creates the real ones.
+    Returns Dynamo output index -> (parameter name, state key)."""
+    index_of = {id(t): i for i, t in enumerate(entry.outputs) if isinstance(t, torch.Tensor)}
+    created: dict[int, tuple[str, str]] = {}
+    for name, p in names.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        for key in [k for k, v in state.items() if id(v) in index_of]:
+            created[index_of[id(state[key])]] = (name, key)
+            del state[key]
+        if not state:
+            del optimizer.state[p]
+    unplaced = [i for i, t in enumerate(entry.outputs) if isinstance(t, torch.Tensor) and i not in created]
+    if unplaced:
+        raise OptpassError(
+            f"{type(optimizer).__name__}.step() returns {len(unplaced)} value(s) that are not optimizer "
+            "state of the fused parameters, so its update cannot be moved into the step graph.")
+    return created
+
+
 def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
-    """The update of the parameters in `names` (name -> parameter), as a sliced aten graph."""
+    """The update of the parameters in `names` (name -> parameter), as a sliced aten graph.
+
+    Works before the first step too: see the module docstring (state torch.optim creates)."""
     params = list(names.values())
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    updates: dict[str, ParameterUpdate] = {}
+    graphs, created = [], {}
     with _harvest_setup(optimizer, params):
-        # Every tensor the update can read, by identity: Dynamo hands it over as an attribute
-        # (get_attr) or as an input, depending on where the optimizer's frames broke.
-        role_of: dict[int, tuple] = {}
-        for name, p in names.items():
-            role_of[id(p)] = ("param", name)
-            role_of[id(p.grad)] = ("gradient", name)
-            for key, t in optimizer.state.get(p, {}).items():
-                if isinstance(t, torch.Tensor):
-                    role_of[id(t)] = ("state", (name, key))
-        for g, group in enumerate(optimizer.param_groups):
-            role_of[id(group["lr"])] = ("lr", g)
-        updates: dict[str, ParameterUpdate] = {}
-        graphs = []
-        for gm, example_inputs, placeholder_roles in _record_update_graphs(optimizer, role_of):
-            attr_roles = {n.target: role_of.get(id(getattr(gm, n.target, None)), ("unknown", n.target))
-                          for n in gm.graph.nodes if n.op == "get_attr"}
-            aten = _to_aten(gm, example_inputs)
+        for entry in _record_update_graphs(optimizer, lambda: _tensor_roles(optimizer, names)):
+            role_of = _tensor_roles(optimizer, names)
+            attr_roles = {n.target: role_of.get(id(getattr(entry.gm, n.target, None)), ("unknown", n.target))
+                          for n in entry.gm.graph.nodes if n.op == "get_attr"}
+            output_roles = _take_created_state(optimizer, names, entry)
+            entry.outputs.clear()
+            aten = _to_aten(entry.gm, entry.example_inputs)
             graphs.append(aten)
-            updates.update(_slice_per_parameter(aten, placeholder_roles, attr_roles, group_of, names))
+            sliced, new = _slice_per_parameter(aten, entry.placeholder_roles, attr_roles, output_roles,
+                                               group_of, names)
+            updates.update(sliced)
+            created.update(new)
     missing = [name for name in names if name not in updates]
     if missing:
         raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
                            "the optimizer's step (is it in this optimizer's param_groups?).")
-    return HarvestedUpdate(graphs, {name: updates[name] for name in names})
+    # parameter order, as torch.optim fills opt.state
+    created = {(name, key): created[(name, key)] for name in names for n, key in list(created) if n == name}
+    return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
 
 
 def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
@@ -158,7 +251,10 @@ def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
     return captured[0]
 
 
-def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
+def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, group_of, names):
+    """Per parameter: the nodes that compute its new value and state, and what they write.
+
+    Returns the slices and the state the update creates ((name, key) -> CreatedState)."""
     param_ph, grad_ph, state_ph, lr_ph = {}, {}, {}, {}
     for node in graph.nodes:
         if node.op != "placeholder":
@@ -184,6 +280,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
     # New values of mutated inputs: in-graph copy_ (state), or outputs that AOTAutograd
     # copies back (parameters: they require grad, so their mutation is an output).
     writes: dict[torch.fx.Node, torch.fx.Node] = {}
+    created_outputs: dict[tuple[str, str], torch.fx.Node] = {}
     placeholder_of_desc = {n.meta.get("desc"): n for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:
         if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
@@ -192,6 +289,18 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
             for value, desc in zip(node.args[0], node.meta.get("desc") or ()):
                 if type(desc).__name__ == "InputMutationAOTOutput":
                     writes[placeholder_of_desc[desc.mutated_input]] = value
+                elif type(desc).__name__ == "PlainAOTOutput" and desc.idx in output_roles:
+                    created_outputs[output_roles[desc.idx]] = value
+    # State the update creates becomes a write into a new input, like any other state.
+    created: dict[tuple[str, str], CreatedState] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for (name, key), value in created_outputs.items():
+        with graph.inserting_after(last_placeholder):
+            new_state = graph.placeholder(f"created_{name}_{key}".replace(".", "_"))
+        state_ph.setdefault(name, {})[key] = new_state
+        writes[new_state] = value
+        val = value.meta["val"]
+        created[(name, key)] = CreatedState(tuple(val.shape), val.dtype, val.device)
     order = {n: i for i, n in enumerate(graph.nodes)}
     updates = {}
     lr_group = {node: group for group, node in lr_ph.items()}
@@ -213,7 +322,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, group_of, names):
             name, group_of[id(names[name])], param_ph[name], grad_ph[name], state_ph.get(name, {}),
             sorted((n for n in nodes if n.op != "placeholder"), key=order.__getitem__), own_writes,
             {n: lr_group[n] for n in nodes if n in lr_group})
-    return updates
+    return updates, created
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:

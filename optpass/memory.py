@@ -381,3 +381,43 @@ def _hint(size: Any) -> int:
         return int(size)
     except Exception:
         return 0
+
+
+# ---------------------------------------------------------------- measured (not estimated)
+
+@dataclasses.dataclass
+class MeasuredPeak:
+    """Tensor bytes allocated on CPU while a block ran, relative to the bytes live at its start."""
+
+    peak_bytes: int = 0          # the highest point: what decides whether the block fits
+    end_bytes: int = 0           # what the block left allocated (negative: it freed more)
+    allocations: int = 0
+
+
+class measure_tensor_peak:
+    """``with optpass.measure_tensor_peak() as m: ...``: ``m.peak_bytes`` is the block's peak.
+
+    The CPU twin of ``torch.cuda.max_memory_allocated()``: it counts what the CPU
+    allocator hands to tensors (eager ops, Inductor's buffers, optimizer state),
+    from torch.profiler's memory events, so it does not move with glibc's heap
+    or with what a compile allocates as Python objects (RSS does). Profiling
+    slows the block down: for tests and reports, not for timing.
+    """
+
+    def __enter__(self) -> MeasuredPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.result = MeasuredPeak()
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self.result
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        events = [e for e in self._profile.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+        live = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            live += event.nbytes()
+            self.result.peak_bytes = max(self.result.peak_bytes, live)
+        self.result.end_bytes, self.result.allocations = live, len(events)

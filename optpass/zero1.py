@@ -26,10 +26,10 @@ module holds what does not live in a graph:
   (one flat tensor per parameter and state key), so a checkpoint written on
   N ranks resumes on M.
 
-* **the first update** — torch.optim creates its state lazily (SGD's momentum
-  buffer is the first gradient), so the first update runs eagerly here
-  (``step_eagerly``) with the same functional collectives; from the second on,
-  the ``shard_optimizer`` pass puts collectives and update into the step graph.
+* **every update in the graph** — the ``shard_optimizer`` pass puts collectives
+  and the shard optimizer's update into the step graph from the first step on;
+  the shard optimizer's state is created as torch.optim's first step creates it
+  (``harvest.py``), 1/N of the unsharded state, with no full gradients held.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from optpass.errors import OptpassError
 PARTITIONS = ("even", "greedy")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
 
-_functional = torch.ops._c10d_functional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +207,6 @@ class ShardedOptimizer:
                 p = self.params[bucket.params[0]][1]
                 self.shards[bucket.index] = torch.zeros(owned, dtype=p.dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
-        self.steps = 0
 
     @property
     def rank(self) -> int:
@@ -250,72 +248,6 @@ class ShardedOptimizer:
             return 0
         return sum(t.numel() * t.element_size() for state in self.shard_optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))
-
-    # -------------------------------------------------------------- the eager update
-
-    @torch.no_grad()
-    def step_eagerly(self, gradients: dict[int, torch.Tensor], clip_grad_norm: float | None = None) -> None:
-        """The reference ZeRO-1 update (and torch.optim's state creation): same collectives as the graph."""
-        rank, world = self.pg.rank, self.pg.world
-        chunks = []
-        for bucket in self.layout.buckets:
-            flat_grads = torch.cat(bucket_input(bucket, world, lambda i: gradients[i]))
-            chunks.append(_wait(_functional.reduce_scatter_tensor(flat_grads, "avg", world, self.pg.name)))
-        if clip_grad_norm is not None:                  # clip_grad_norm_ of the averaged gradients
-            local = sum((c * c).sum() for c in chunks)
-            norm = _wait(_functional.all_reduce(local, "sum", self.pg.name)).sqrt()
-            coef = (clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            chunks = [c * coef for c in chunks]
-        for bucket, grad_chunk in zip(self.layout.buckets, chunks):
-            shard = self.shards.get(bucket.index)
-            if shard is not None:
-                shard.copy_(torch.cat([self.params[s.param][1].reshape(-1)[s.start:s.stop]
-                                       for s in bucket.segments[rank]]))
-                shard.grad = grad_chunk[:shard.numel()].clone()
-        if self.shard_optimizer is not None:
-            self.sync_lr()
-            self.shard_optimizer.step()
-            self.shard_optimizer.zero_grad(set_to_none=True)
-        for bucket in self.layout.buckets:
-            shard = self.shards.get(bucket.index)
-            mine = shard if shard is not None else self._zeros(bucket, 0)
-            padded = torch.cat([mine, self._zeros(bucket, bucket.chunk - mine.numel())])
-            gathered = _wait(_functional.all_gather_into_tensor(padded, world, self.pg.name))
-            for i in bucket.params:
-                self.params[i][1].copy_(param_from_gathered(bucket, i, gathered, self.layout.shapes[i]))
-        self.steps += 1
-
-    def _zeros(self, bucket: Bucket, n: int) -> torch.Tensor:
-        p = self.params[bucket.params[0]][1]
-        return torch.zeros(n, dtype=p.dtype, device=p.device)
-
-
-def bucket_input(bucket: Bucket, world: int, flat_of) -> list:
-    """The pieces, rank by rank, whose concatenation is the bucket's reduce-scatter input.
-
-    `flat_of(i)` returns parameter i's gradient; pieces are its flat slices and
-    zero padding (as torch tensors eagerly, or as whatever `flat_of` builds)."""
-    pieces = []
-    for rank in range(world):
-        used = 0
-        for s in bucket.segments[rank]:
-            pieces.append(flat_of(s.param).reshape(-1)[s.start:s.stop])
-            used += s.numel
-        if used < bucket.chunk:
-            g = flat_of(bucket.params[0])
-            pieces.append(g.new_zeros(bucket.chunk - used))
-    return pieces
-
-
-def param_from_gathered(bucket: Bucket, param: int, gathered: torch.Tensor, shape) -> torch.Tensor:
-    pieces = [gathered[r * bucket.chunk + s.offset: r * bucket.chunk + s.offset + s.numel]
-              for r, s in bucket.segments_of(param)]
-    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return flat.view(shape)
-
-
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
-    return _functional.wait_tensor(tensor)
 
 
 # ---------------------------------------------------------------- sessions and checks

@@ -20,11 +20,12 @@ def fused_graph_diff(model, opt, loss_fn, *inputs, **options):
     step = torch.compile(train_step, backend="optpass",
                          options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True,
                                   **options})
-    step(*inputs)                      # first update: torch.optim creates its state
     optpass.report.clear_reports()
     with optpass.keep_graphs():
-        step(*inputs)                  # the fused graph is compiled here
-    report = next(r for r in optpass.recent_reports() if r.graph_after is not None)
+        step(*inputs)                  # fused from the first update
+        step(*inputs)                  # SGD with momentum compiles again: its buffers exist now
+    # the steady graph: the last compile of the step
+    report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
     return optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)
 
 

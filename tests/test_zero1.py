@@ -40,6 +40,16 @@ def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(train
             assert result["vs_ddp_zero"] <= 1e-5, (rank, _label(result), result)
 
 
+def test_every_update_is_sharded_in_the_graph_from_the_first_step(trained):
+    """No step runs with full gradients and an eager update: step 1 runs the sharded graph.
+    SGD's first update creates its momentum buffers, so it compiles twice (first, steady)."""
+    _, per_rank = trained
+    for results in per_rank:
+        for result in results:
+            assert result["first_step_fused"], _label(result)
+            assert result["step_compiles"] == (2 if result["optimizer"] == "SGD" else 1), _label(result)
+
+
 def test_clip_grad_norm_option_clips_the_averaged_gradients(trained):
     """The clip case equals clip_grad_norm_ in one process and after DDP's averaging (checked
     above); here: the clip was active, i.e. it trained differently from the same case unclipped."""
