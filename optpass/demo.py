@@ -11,8 +11,8 @@ run in a fresh process:
 
 Prints the two loss curves side by side (equal up to rounding); each run's peak
 memory over the whole run and bytes per parameter at that peak, and beside it the
-peak of the steps after the first three calls (compiles done) alone; and the
-report of B's compile as ``optpass.explain`` prints it. On CPU the peak is
+peak of the steps after the first three calls (compiles done) alone; and
+``optpass.explain`` of B's step. On CPU the peak is
 ``VmHWM`` (the most RSS the process ever held; the steps' own peak after resetting
 it through /proc/self/clear_refs) minus the RSS right after the imports, before the
 model is built; with ``--device cuda`` it is ``torch.cuda.max_memory_allocated()``.
@@ -22,7 +22,6 @@ Under two minutes on two CPU cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -83,23 +82,13 @@ class _Memory:
             return False
 
 
-def _fused(reports) -> bool:
-    """Whether a compile recorded in `reports` put the optimizer's updates inside backward."""
-    return any(o.name == "optimizer_in_backward" and o.status == "applied" for r in reports for o in r.passes)
-
-
 def run_variant(args) -> None:
     import torch
-    import torch._inductor.config
     from tqdm import tqdm
 
     import optpass  # both variants: the same imports, and backward() traced into the step graph
     from optpass.models import MLPLM, batches, synthetic_corpus
 
-    # Both runs compile their graphs, as on a fresh install: B's report needs its passes to run
-    # (optpass.keep_graphs() bypasses Inductor's FX graph cache), and a graph loaded from that
-    # cache would leave A with less compiler memory than B and a shorter compile.
-    torch._inductor.config.fx_graph_cache = False
     memory = _Memory(args.device)       # after the imports, before the model: the baseline
     size = SIZES[args.size]
     torch.manual_seed(0)
@@ -116,16 +105,13 @@ def run_variant(args) -> None:
         opt.zero_grad()
         return out
 
+    options = {"optimizer": opt, "optimizer_in_backward": True}
     if args.child == "inductor":
         step = torch.compile(train_step)
     else:
-        step = torch.compile(train_step, backend="optpass",
-                             options={"optimizer": opt, "optimizer_in_backward": True})
+        step = torch.compile(train_step, backend="optpass", options=options)
 
-    losses, times, peak_after_call, fused_from = [], [], [], None
-    warmup = contextlib.ExitStack()
-    if args.child == "optpass":   # keep what optpass did to the graphs compiled during warm-up
-        warmup.enter_context(optpass.keep_graphs())
+    losses, times, peak_after_call = [], [], []
     label = {"inductor": "A torch.compile", "optpass": "B optpass"}[args.child]
     for i in tqdm(range(args.steps), desc=f"{label:16s}", unit="step", file=sys.stderr):
         tokens, targets = (t.to(args.device) for t in next(data))
@@ -134,13 +120,7 @@ def run_variant(args) -> None:
         times.append(time.perf_counter() - start)
         if i < WARMUP_CALLS:
             peak_after_call.append(memory.peak())
-            if fused_from is None and _fused(optpass.recent_reports()):
-                fused_from = i + 1          # the first call whose updates ran inside backward
         if i == WARMUP_CALLS - 1:
-            warmup.close()
-            steps = [r for r in optpass.recent_reports() if r.kind is optpass.GraphKind.STEP]
-            report = str(optpass.Explanation(steps))
-            optpass.report.clear_reports()          # drop the kept graphs
             # compiles are done: from here on, the peak of the steady steps alone
             warmup_peak, reset = memory.peak(), memory.reset_peak()
     end_peak = memory.peak()
@@ -157,9 +137,10 @@ def run_variant(args) -> None:
         "steady_peak": end_peak - memory.start if reset else None,
         "first_calls_s": sum(times[:WARMUP_CALLS]),
         "median_step_s": statistics.median(times[WARMUP_CALLS:]),
-        "fused_from": fused_from,
-        "report": report if args.child == "optpass" else None,
     }
+    if args.child == "optpass":   # measured above; explaining compiles again but runs nothing
+        result["report"] = str(optpass.explain(train_step, *(t.to(args.device) for t in next(data)),
+                                               options=options))
     print(RESULT + json.dumps(result), flush=True)
 
 
@@ -250,19 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     if steady:
         print(f"  The rest is compiled code, activations and allocator slack: A's steps hold "
               f"{_mb(a['steady_peak'] - 16 * n)} above 16 bytes/param.")
-    if b["fused_from"] is None:
-        print(f"  B: no compile in its first {WARMUP_CALLS} calls put the updates inside backward.")
-    else:
-        print(f"  B ran its updates inside backward from call {b['fused_from']} on." + (
-            " Its call 1 ran the update unfused, with every\n  gradient alive as in A (torch.optim creates its "
-            "state in its first step)" + (": that call set B's whole-run peak." if b["peak_set_in"] == "call 1"
-                                          else ".") if b["fused_from"] > 1 else ""))
     print(f"  Time: first {WARMUP_CALLS} calls (with the compiles) A {a['first_calls_s']:.1f} s, "
           f"B {b['first_calls_s']:.1f} s; median step after them A {a['median_step_s'] * 1e3:.0f} ms, "
           f"B {b['median_step_s'] * 1e3:.0f} ms.")
 
-    print("\nWhat optpass did to B's step (the report of its compile, kept with optpass.keep_graphs(), "
-          "as optpass.explain prints it):")
+    print("\nWhat optpass does to B's step: optpass.explain(train_step, tokens, targets, options={\"optimizer\": opt, "
+          "\"optimizer_in_backward\": True})")
     print(b["report"])
     print("  (The estimate is of the aten graph, where an update is several pointwise ops, each with its own "
           "output;\n  Inductor fuses each update into one kernel that writes the parameter and its state in place.)")

@@ -31,8 +31,9 @@ def test_demo_trains_both_variants_alike_and_shows_memory_and_the_fused_step():
     assert re.search(r"^  A-B ", out, re.M)
     assert "fp32 AdamW holds 16 bytes/param" in out
 
-    # the report of B's compile: optimizer_in_backward applied, gradients gone from the estimate
-    assert "[graph 0] step" in out and "pass optimizer_in_backward: applied" in out
+    # optpass.explain of B's step: legal, applied, gradients gone from the estimate
+    assert "optpass.explain(train_step" in out and "[graph 0] step" in out
+    assert "legality: optimizer_in_backward is legal" in out and "pass optimizer_in_backward: applied" in out
     assert re.search(r"estimated peak memory: .* \(gradients [\d.]+ MB\) before passes -> .* \(gradients 0 B\) after",
                      out), out
 
