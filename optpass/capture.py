@@ -26,6 +26,7 @@ import enum
 import logging
 import os
 import re
+import sys
 import traceback
 import warnings
 from typing import Any
@@ -57,9 +58,14 @@ def enable_backward_capture() -> None:
     graph (fact 23). A model's forward that logs (Hugging Face's
     ``logger.warning_once`` in the loss) would otherwise split the step before
     backward(), and backward would run outside anything optpass can rewrite.
+    And Dynamo's note on torch.optim's own profiler record_function is dropped
+    (``_OptimizerRecordFunctionNote``): nothing a user can act on.
     """
     torch._dynamo.config.trace_autograd_ops = True
     ignore_logging_calls()
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    if not any(isinstance(f, _OptimizerRecordFunctionNote) for f in logger.filters):
+        logger.addFilter(_OptimizerRecordFunctionNote())
 
 
 # stdlib logging methods, and the ones Hugging Face transformers adds to logging.Logger
@@ -84,6 +90,34 @@ def ignore_logging_calls() -> None:
     if not isinstance(current, _LoggingMethods):
         methods = {getattr(logging.Logger, n) for n in _LOGGER_METHODS if hasattr(logging.Logger, n)}
         torch._dynamo.config.ignore_logging_functions = _LoggingMethods(set(current) | methods)
+
+
+class _OptimizerRecordFunctionNote(logging.Filter):
+    """Drops Dynamo's "Profiler record function ... will be ignored" when it is about torch.optim.
+
+    With backward captured, the supported step shape makes Dynamo trace ``opt.step()``, whose
+    wrapper (``Optimizer.profile_hook_step`` in torch/optim/optimizer.py) opens a
+    ``torch.autograd.profiler.record_function``; Dynamo then logs that note as a WARNING once per
+    process (``ProfilerRecordFunctionContextVariable.create`` in
+    torch/_dynamo/variables/ctx_manager.py). It is torch's own code and nothing a user can act on,
+    so this drops exactly that record when the innermost function Dynamo is tracing is in
+    torch/optim; a ``record_function`` in the user's own code still gets the note.
+    """
+
+    MESSAGE = "Profiler record function %s will be ignored"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE:
+            return True
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+        frame = sys._getframe()
+        while frame is not None:       # the innermost translator: the function being traced
+            tracer = frame.f_locals.get("self")
+            if isinstance(tracer, InstructionTranslatorBase):
+                return f"torch{os.sep}optim{os.sep}" not in tracer.f_code.co_filename
+            frame = frame.f_back
+        return True
 
 
 class GraphKind(str, enum.Enum):

@@ -98,6 +98,35 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class MLPLM(nn.Module):
+    """A next-token MLP language model: token embedding -> ``layers`` x Linear(width, width) -> head.
+
+    It reads one token at a time (a bigram model), which is all ``synthetic_corpus``'s
+    pattern needs. Its parameters sit in a few wide square layers: tens of millions of
+    parameters with little compute per step when a step has few tokens, and few kernels
+    to compile (what ``python -m optpass.demo`` needs to show memory on a CPU quickly).
+    The square layers start with He initialisation, so the signal keeps its scale
+    through the ReLUs and the loss falls within a few dozen steps.
+    """
+
+    def __init__(self, vocab: int = 64, width: int = 3072, layers: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mlp = MLP((width,) * (layers + 1))
+        for layer in self.mlp:
+            if isinstance(layer, nn.Linear):
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                nn.init.zeros_(layer.bias)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.embed(tokens)))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def param_groups_no_decay(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two param groups: weight decay on matrices, none on biases, norms and 1-D parameters."""
     decay, no_decay = [], []

@@ -53,6 +53,24 @@ print("optpass" in sys.modules, torch._dynamo.config.trace_autograd_ops)
     assert out.split() == ["True", "True"]
 
 
+def test_dynamos_note_on_torch_optims_record_function_is_dropped_but_not_on_the_users():
+    # Dynamo logs "Profiler record function ... will be ignored" when it traces the
+    # record_function that wraps every Optimizer.step; optpass drops that one (capture.py).
+    note = "Profiler record function"
+    optimizer_only = SUPPORTED_STEP + """
+step = torch.compile(train_step, backend="optpass", options={"lower": "eager"})
+step(x, y); step(x, y)
+"""
+    users = optimizer_only.replace("    loss = F.mse_loss(model(x), y)", """\
+    with torch.autograd.profiler.record_function("my_forward"):
+        loss = F.mse_loss(model(x), y)""")
+    assert users != optimizer_only
+    for code, expected in ((optimizer_only, False), (users, True)):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        assert (note in result.stderr) is expected, result.stderr
+
+
 def make_step(model, opt, tail_returns_loss=False):
     if tail_returns_loss:  # the tutorial shape: reads loss after opt.step() (fact 19)
         def train_step(x, y):
