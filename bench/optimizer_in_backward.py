@@ -33,10 +33,12 @@ Each variant runs in a FRESH subprocess (this script re-invoked with ``--child
 KIND/OPTIMIZER``, its own empty ``TORCHINDUCTOR_CACHE_DIR``,
 ``torch.set_num_threads(--threads)`` and ``OMP_NUM_THREADS``). Every child imports
 torch and optpass, reads its RSS (the *baseline*), builds the model, the optimizer
-and the data, runs ``--warmup`` calls inside ``optpass.keep_graphs()`` (every compile
+and the data, runs ``--warmup`` calls (every compile
 is done by then, whichever call compiles the fused graph; the child fails if a
-graph compiles during the measured steps), then ``--steps`` measured steps. It
-reports:
+graph compiles during the measured steps), then ``--steps`` measured steps. The
+graph-level estimate comes from one more child per optpass variant that warms up
+inside ``optpass.keep_graphs()`` and is not measured (kept graphs are memory a
+user's process would not hold). A measured child reports:
 
 * **whole-run peak**: ``VmHWM`` from ``/proc/self/status``, the peak RSS since the
   process started (imports, compile, warm-up, measured steps). It is read after
@@ -94,6 +96,7 @@ The parent never imports torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -207,11 +210,13 @@ def run_variant(args) -> None:
     else:
         raise SystemExit(f"unknown variant kind {kind!r}; choose from {ALL_KINDS}")
 
-    # Warm-up: every compile happens here, whichever call compiles the fused graph; the kept
-    # graphs carry the graph-level memory estimate of that compile.
+    # Warm-up: every compile happens here, whichever call compiles the fused graph. A measured
+    # child keeps no graphs (a user does not); an --estimate child (not measured) keeps them for
+    # the graph-level memory estimate of the fused compile.
     warmup_s, losses = [], []
     optpass.report.clear_reports()
-    with optpass.keep_graphs():
+    keep = optpass.keep_graphs() if args.estimate else contextlib.nullcontext()
+    with keep:
         for i in range(args.warmup):
             x, y = data[i % len(data)]
             t0 = time.perf_counter()
@@ -222,7 +227,10 @@ def run_variant(args) -> None:
     hwm_warmup_kib = proc_status_kib("VmHWM")                   # since process start: nothing reset it yet
     cuda_peak_warmup = torch.cuda.max_memory_allocated() if cuda else None
     estimate = _fused_report_estimate(optpass) if kind.startswith("optpass") else None
-    optpass.report.clear_reports()                              # drop the kept graph copies before measuring
+    if args.estimate:
+        emit_result({"variant": args.child, "estimate": estimate})
+        return
+    optpass.report.clear_reports()
     graphs = _graph_count(torch)
     grads_after_warmup = sum(p.grad is not None for p in model.parameters())
 
@@ -308,7 +316,7 @@ def run_variant(args) -> None:
 
 # ====================================================================== parent side
 
-def _spawn(args, variant: str) -> dict:
+def _spawn(args, variant: str, estimate: bool = False) -> dict:
     # an empty Inductor cache per child: nothing compiled is shared between children
     cache_dir = tempfile.mkdtemp(prefix=f"optpass-oib-{variant.replace('/', '-')}-")
     env = dict(os.environ)
@@ -323,6 +331,8 @@ def _spawn(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
            "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    if estimate:
+        cmd.append("--estimate")
     try:
         return run_child(cmd, env, args.child_timeout)
     finally:
@@ -468,6 +478,11 @@ def run_parent(args) -> None:
                   f"other load {r.get('other_processes_cores')} cores ({r.get('other_cores_during_steps')} "
                   "during the measured steps)", flush=True)
 
+    # the graph-level estimate, from one more (unmeasured) child per optpass variant that keeps graphs
+    for variant in variants:
+        if variant.split("/")[0].startswith("optpass"):
+            runs[variant][0]["estimate"] = _spawn(args, variant, estimate=True)["estimate"]
+
     first = runs[variants[0]][0]
     n_params = first["n_params"]
     grad_bytes = 4 * n_params
@@ -577,6 +592,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write all results to this file")
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--estimate", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warmup < 3:
         p.error("--warmup must be >= 3 (every compile must be done before the measured steps)")

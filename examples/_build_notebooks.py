@@ -268,9 +268,9 @@ small_step = torch.compile(
     options={"optimizer": small_opt, "optimizer_in_backward": True, "lower": "eager"},
 )
 x, y = torch.randn(3, 4), torch.randn(3, 2)
-small_step(x, y)                  # call 1: plain step + eager opt.step() (creates the momentum buffers)
+small_step(x, y)                  # call 1: fused already; SGD's first update creates the momentum buffers
 with optpass.keep_graphs():
-    small_step(x, y)              # call 2: compiles the fused graph
+    small_step(x, y)              # call 2: compiles the steady fused graph (it reads the buffers)
 small_report = next(r for r in reversed(optpass.recent_reports()) if r.graph_after is not None)
 print(optpass.graph_diff(small_report.graph_before, small_report.graph_after, shapes=False, context=1))
 """),
@@ -723,8 +723,8 @@ print("shard_optimizer:", ranks[0]["notes"])
 ## 2. What the pass inserted
 
 The compiled step graph before and after the `shard_optimizer` pass (rank 0,
-from the second step on; the first update runs eagerly so that torch.optim
-creates its state). Per bucket: the gradients are flattened into one buffer,
+the steady graph; the first step already ran a sharded graph of the same shape,
+which also created the shard's AdamW state). Per bucket: the gradients are flattened into one buffer,
 `reduce_scatter_tensor(..., "avg", 2, ...)` gives this rank its averaged chunk,
 AdamW's own update (harvested from torch.optim) runs on the chunk and the
 shard's state, `all_gather_into_tensor` collects the updated chunks and `copy_`
