@@ -44,11 +44,14 @@ def test_gpt2_with_labels_is_fused_and_matches_eager():
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         ids = torch.randint(0, 64, (2, 8), generator=g)
-        assert step(ids).item() == pytest.approx(eager(ids).item(), rel=1e-9)
+        # transformers computes the loss on float32 logits (logits.float()): float32 rounding
+        assert step(ids).item() == pytest.approx(eager(ids).item(), rel=1e-6)
         assert all(p.grad is None for p in model.parameters())
     worst = max(((p - q).abs().max() / q.abs().max()).item()
                 for p, q in zip(model.parameters(), reference.parameters()))
-    assert worst <= 1e-6
+    # float32 logits (see above) make this a float32 comparison; AdamW's normalisation turns
+    # 1e-7 gradient rounding into ~1e-5 of a small weight's step
+    assert worst <= 1e-4
     kinds = [r.kind for r in optpass.recent_reports()]
     assert GraphKind.FORWARD not in kinds                  # no break before backward()
     assert any(p.name == "optimizer_in_backward" and p.status == "applied"
