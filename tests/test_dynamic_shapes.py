@@ -75,19 +75,7 @@ def test_sgd_momentum_first_and_steady_graphs_stay_symbolic():
 
 def test_clip_grad_norm_with_changing_lengths():
     twin = Twin(lambda: TinyLM(LMConfig()), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
-
-    def clipped(model, opt):
-        def train_step(x, y):
-            loss = lm_loss(model, x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
-        return train_step
-
-    eager = clipped(twin.eager_model, twin.eager_opt)
+    eager = make_step(twin.eager_model, twin.eager_opt, lm_loss, clip=0.1)
     step = torch.compile(make_step(twin.compiled_model, twin.compiled_opt, lm_loss), backend="optpass",
                          options={"lower": "eager", "optimizer": twin.compiled_opt,
                                   "optimizer_in_backward": True, "clip_grad_norm": 0.1})
