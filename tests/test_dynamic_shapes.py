@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("float64_default")
 
 TOL = 1e-6
 # (batch, sequence length) per step: the length changes every step, the last batch is smaller
-SHAPES = [(4, 8), (4, 12), (4, 5), (3, 9), (2, 7)]
+SHAPES = [(4, 8), (4, 12), (3, 9), (2, 7)]
 
 
 def lm_loss(model, x, y):
@@ -53,7 +53,7 @@ def step_compiles() -> int:
 
 @pytest.mark.parametrize("mark_dynamic", [False, True], ids=["automatic-dynamic", "mark_dynamic"])
 def test_sequence_length_and_batch_change_every_step(mark_dynamic):
-    twin = Twin(lambda: TinyLM(LMConfig()), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
     optpass.report.clear_reports()
     params, state = train_with_changing_shapes(twin, mark_dynamic=mark_dynamic)
     assert params <= TOL and state <= TOL
@@ -63,7 +63,7 @@ def test_sequence_length_and_batch_change_every_step(mark_dynamic):
 
 
 def test_sgd_momentum_first_and_steady_graphs_stay_symbolic():
-    twin = Twin(lambda: TinyLM(LMConfig()), lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
     optpass.report.clear_reports()
     params, state = train_with_changing_shapes(twin, mark_dynamic=True)
     assert params <= TOL and state <= TOL
@@ -74,13 +74,16 @@ def test_sgd_momentum_first_and_steady_graphs_stay_symbolic():
 
 
 def test_clip_grad_norm_with_changing_lengths():
-    twin = Twin(lambda: TinyLM(LMConfig()), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
     eager = make_step(twin.eager_model, twin.eager_opt, lm_loss, clip=0.1)
     step = torch.compile(make_step(twin.compiled_model, twin.compiled_opt, lm_loss), backend="optpass",
                          options={"lower": "eager", "optimizer": twin.compiled_opt,
                                   "optimizer_in_backward": True, "clip_grad_norm": 0.1})
     for i, (batch, length) in enumerate(SHAPES):
         x, y = lm_batch(i, batch, length)
+        for t in (x, y):                     # one symbolic compile (the suite's time)
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
         eager(x, y)
         step(x, y)
     params, state = twin.diffs()
@@ -88,6 +91,6 @@ def test_clip_grad_norm_with_changing_lengths():
 
 
 def test_inductor_lowering_with_changing_lengths():
-    twin = Twin(lambda: TinyLM(LMConfig()), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
-    params, state = train_with_changing_shapes(twin, shapes=SHAPES[:3], lower="inductor")
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    params, state = train_with_changing_shapes(twin, shapes=SHAPES[:3], lower="inductor", mark_dynamic=True)
     assert params <= TOL and state <= TOL
