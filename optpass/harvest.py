@@ -85,12 +85,6 @@ class HarvestedUpdate:
         return sorted({g for update in self.updates.values() for g in update.lr.values()})
 
 
-def _zeros_like(example):
-    from optpass.lowering import _zeros_like
-
-    return _zeros_like(example)
-
-
 def _stand_in(like: torch.Tensor) -> torch.Tensor:
     """A zero tensor of `like`'s shape, dtype and device that owns one element (stride 0)."""
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
