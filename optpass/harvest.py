@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import Callable, Iterator
 
 import torch
@@ -43,6 +44,7 @@ import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.errors import OptpassError
+from optpass.harvest_scalars import group_entry_role, tensorize_scalars
 
 
 
@@ -91,20 +93,26 @@ def _stand_in(like: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+def _harvest_setup(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[list[float]]:
+    """Single-tensor implementation, lr as a 0-d tensor, stand-in gradients; all restored after.
+
+    Yields each group's float lr (None where the user's lr already is a tensor)."""
     saved_groups = [dict(g) for g in optimizer.param_groups]
     saved_grads = [(p, p.grad) for p in params]
     try:
+        float_lrs = []
         for group in optimizer.param_groups:
             for key in ("foreach", "fused"):
                 if key in group:
                     group[key] = False
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+            lr = group["lr"]
+            float_lrs.append(None if isinstance(lr, torch.Tensor) else float(lr))
+            if not isinstance(lr, torch.Tensor):
+                group["lr"] = torch.tensor(float(lr), dtype=torch.float64)
         for p in params:
             if p.grad is None:
                 p.grad = _stand_in(p)
-        yield
+        yield float_lrs
     finally:
         for group, saved in zip(optimizer.param_groups, saved_groups):
             group.update(saved)
@@ -120,11 +128,36 @@ class _Recorded:
     outputs: list                            # the stand-ins the no-op run handed back
 
 
-def _record_update_graphs(optimizer, roles: Callable[[], dict[int, tuple]]) -> list[_Recorded]:
-    """Compile opt.step with a backend that records each graph and runs nothing.
+# What Dynamo raises when a fullgraph trace fails (a graph break, an error in fake propagation)
+_TRACE_ERRORS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError,
+                 torch._dynamo.exc.UserError)
 
+
+def _record_update_graphs(optimizer, params, float_lrs, roles) -> tuple[list[_Recorded], bool]:
+    """Compile opt.step as one graph with a backend that records it and runs nothing.
+
+    Returns the recorded graphs and whether they compute Python numbers from tensors
+    (``harvest_scalars``: Adafactor's ``step.item()``), which the usual trace cannot hold.
     `roles()` names every tensor the update may read, by identity; it is asked while
     Dynamo compiles, after torch.optim's ``_init_group`` created any missing state."""
+    try:
+        return _record(optimizer, roles), False
+    except _TRACE_ERRORS as error:
+        first_error = error
+    # lr as a symbolic float: a 0-d lr tensor compared with a Python number (min(lr, ...)) is a
+    # data-dependent branch
+    for group, lr in zip(optimizer.param_groups, float_lrs):
+        if lr is not None:
+            group["lr"] = lr
+    try:
+        with _scalar_trace_setup(params, optimizer), torch._dynamo.config.patch(
+                capture_scalar_outputs=True, specialize_float=False, assume_static_by_default=False):
+            return _record(optimizer, roles, scalars=True), True
+    except _TRACE_ERRORS:
+        raise OptpassError(_untraceable_message(optimizer, first_error)) from first_error
+
+
+def _record(optimizer, roles: Callable[[], dict[int, tuple]], scalars: bool = False) -> list[_Recorded]:
     recorded: list[_Recorded] = []
 
     def recorder(gm, example_inputs):
@@ -134,7 +167,10 @@ def _record_update_graphs(optimizer, roles: Callable[[], dict[int, tuple]]) -> l
             grapharg = node.meta.get("grapharg")
             example = grapharg.example if grapharg is not None else None
             source = grapharg.source.name if grapharg is not None and grapharg.source is not None else node.name
-            placeholder_roles[index] = role_of.get(id(example), ("unknown", source))
+            role = role_of.get(id(example))
+            if role is None and scalars:
+                role = group_entry_role(source)       # a float hyper-parameter made an input
+            placeholder_roles[index] = role or ("unknown", source)
         outputs: list = []      # what the no-op run hands back (Dynamo keeps this closure alive)
         recorded.append(_Recorded(gm, list(example_inputs), placeholder_roles, outputs))
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -147,11 +183,11 @@ def _record_update_graphs(optimizer, roles: Callable[[], dict[int, tuple]]) -> l
             return tuple(outputs)
         return no_op
 
-    # Some optimizers (SGD) compile one graph per param group; static shapes keep each graph
-    # free of symbolic sizes, so each one lowers to aten on its own.
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        torch.compile(optimizer.step, backend=recorder)()
-    graphs = [r for r in recorded if any(n.op == "call_function" for n in r.gm.graph.nodes)]
+    # Static shapes keep the graph free of symbolic sizes, so it lowers to aten on its own.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), _one_graph():
+        # the class's step: an lr scheduler wraps the instance's in a function Dynamo skips
+        torch.compile(types.MethodType(type(optimizer).step, optimizer), backend=recorder, fullgraph=True)()
+    graphs = [r for r in recorded if any(n.op in ("call_function", "call_method") for n in r.gm.graph.nodes)]
     # Dynamo keeps the backend (and so this list) alive for the life of the process.
     recorded.clear()
     if not graphs:
@@ -159,6 +195,64 @@ def _record_update_graphs(optimizer, roles: Callable[[], dict[int, tuple]]) -> l
             f"{type(optimizer).__name__}.step() compiled to no graph, so its update cannot be moved "
             "into the step graph.")
     return graphs
+
+
+@contextlib.contextmanager
+def _scalar_trace_setup(params: list[torch.Tensor], optimizer) -> Iterator[None]:
+    """With assume_static_by_default off (floats become symbolic), keep every tensor's shape
+    static, and every number read from optimizer state unbacked (a value, not a constant)."""
+    from torch._subclasses import fake_tensor
+
+    state = [t for p in params for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    tensors = [t for p in params for t in (p, p.grad)] + state
+    before = [(t, set(t.__dict__)) for t in tensors]
+    for t in tensors:
+        torch._dynamo.mark_static(t)
+    # Dynamo gives a 0-d CPU float64/int64 input a *backed* .item() with its current value as
+    # hint (fake_tensor.py, "item_memo"): a float64 `step` of 0 then fails step ** -0.8 while
+    # tracing. State values are data, read at every step: make their .item() unbacked.
+    plain = fake_tensor._is_plain_tensor
+
+    def is_state(t: torch.Tensor) -> bool:        # asked while tracing: _init_group made it by then
+        return t.dim() == 0 and any(t is v for p in params for v in optimizer.state.get(p, {}).values())
+
+    fake_tensor._is_plain_tensor = lambda t: plain(t) and not is_state(t)
+    try:
+        yield
+    finally:
+        fake_tensor._is_plain_tensor = plain
+        for t, keys in before:                     # the markers mark_static set, nothing else
+            for key in set(t.__dict__) - keys:
+                delattr(t, key)
+
+
+def _untraceable_message(optimizer, error: Exception) -> str:
+    """Dynamo's reason and the optimizer's line where its step cannot be one graph."""
+    import traceback
+
+    name = type(optimizer).__name__
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/optim/" in f.filename]
+    user_stack = getattr(error, "real_stack", None) or []
+    frames = [f for f in user_stack if "/torch/" not in f.filename or "/torch/optim/" in f.filename] or frames
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
+    return (f"optimizer_in_backward: {name}.step() cannot be traced as one graph{where}: Dynamo: "
+            f"{reason}. optpass moves the optimizer's own update into the step graph, so it needs "
+            f"all of it; use an optimizer whose step compiles with torch.compile(opt.step, "
+            f"fullgraph=True), or drop optimizer_in_backward.")
+
+
+@contextlib.contextmanager
+def _one_graph() -> Iterator[None]:
+    """torch.optim's two deliberate ``torch._dynamo.graph_break()`` calls (around the update,
+    for AOTAutograd's no_grad handling) become no-ops: the step is one graph, traced with
+    ``fullgraph=True``, so any other break raises while tracing, before anything runs."""
+    saved = torch._dynamo.graph_break
+    torch._dynamo.graph_break = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch._dynamo.graph_break = saved
 
 
 def _tensor_roles(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> dict[int, tuple]:
@@ -208,8 +302,13 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     updates: dict[str, ParameterUpdate] = {}
     graphs, created = [], {}
-    with _harvest_setup(optimizer, params):
-        for entry in _record_update_graphs(optimizer, lambda: _tensor_roles(optimizer, names)):
+    with _harvest_setup(optimizer, params) as float_lrs:
+        recorded, scalars = _record_update_graphs(optimizer, params, float_lrs,
+                                                  lambda: _tensor_roles(optimizer, names))
+        for entry in recorded:
+            if scalars:
+                entry.example_inputs, entry.placeholder_roles = tensorize_scalars(
+                    entry.gm, entry.example_inputs, entry.placeholder_roles, optimizer)
             role_of = _tensor_roles(optimizer, names)
             attr_roles = {n.target: role_of.get(id(getattr(entry.gm, n.target, None)), ("unknown", n.target))
                           for n in entry.gm.graph.nodes if n.op == "get_attr"}

@@ -94,3 +94,38 @@ def test_inductor_lowering_with_changing_lengths():
     twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
     params, state = train_with_changing_shapes(twin, shapes=SHAPES[:3], lower="inductor", mark_dynamic=True)
     assert params <= TOL and state <= TOL
+
+
+def test_gradient_accumulation_with_changing_lengths():
+    """accumulation_steps=2: the accumulating graph and the fused one both see every length."""
+    K = 2
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+
+    def make_micro_step(model):
+        def micro_step(x, y):
+            loss = model.loss(x, y) / K
+            loss.backward()
+            return loss.detach()
+        return micro_step
+
+    eager = make_micro_step(twin.eager_model)
+    micro = torch.compile(make_micro_step(twin.compiled_model), backend="optpass",
+                          options={"lower": "eager", "optimizer": twin.compiled_opt,
+                                   "optimizer_in_backward": True, "accumulation_steps": K})
+    optpass.report.clear_reports()
+    shapes = SHAPES + [(3, 5), (2, 11)]
+    for i, (batch, length) in enumerate(shapes):
+        x, y = lm_batch(i, batch, length)
+        for t in (x, y):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        assert micro(x, y).item() == pytest.approx(eager(x, y).item(), rel=1e-9)
+        if (i + 1) % K == 0:
+            twin.eager_opt.step()
+            twin.eager_opt.zero_grad()
+            assert all(p.grad is None for p in twin.compiled_model.parameters())
+            params, state = twin.diffs()
+            assert params <= TOL and state <= TOL, i
+    # the micro-step with no .grad yet, the one accumulating into .grad, the fused K-th: each
+    # compiled once, with the sizes symbolic, for every shape
+    assert step_compiles() == 3

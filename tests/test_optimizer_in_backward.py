@@ -80,6 +80,8 @@ TRAPS = {
     "adam_fused_flag": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
     "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    # ASGD's update reads mu/eta/ax state it writes in the same step (in place, under no_grad)
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3),
 }
 
 
@@ -153,6 +155,46 @@ def test_inductor_lowering_matches_eager():
     twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
     params, state = train_both(twin, lower="inductor")
     assert params <= TOL and state <= TOL
+
+
+def test_adafactor_python_scalar_update_is_fused_and_matches_eager():
+    """Adafactor's step reads step.item() and param.norm().item() and takes min/max of them: it
+    is harvested as float64 0-d tensor math (harvest_scalars.py), lr still an input."""
+    make = lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2, weight_decay=1e-2)  # noqa: E731
+    twin = Twin(MLP, make)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (twin.eager_opt, twin.compiled_opt)]
+    optpass.report.clear_reports()
+    params, state = train_both(twin, steps=8, schedulers=schedulers)
+    assert params <= TOL and state <= TOL
+    assert len(fused_reports()) == 1                         # lr changed 4 times: no recompile
+    assert twin.compiled_opt.state_dict()["state"][0]["step"].item() == 8
+
+
+class DataDependentSGD(torch.optim.SGD):
+    """A step with a Python branch on a gradient's value: no single graph can hold it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad.abs().max() > 1.0:                                  # the break
+                    p.grad.clamp_(-1.0, 1.0)
+        return super().step(closure)
+
+
+def test_an_optimizer_that_cannot_be_one_graph_is_refused_before_it_touches_anything():
+    twin = Twin(MLP, lambda m: DataDependentSGD(m.parameters(), lr=1e-2, momentum=0.9))
+    before = [p.detach().clone() for p in twin.compiled_model.parameters()]
+    step = fused(twin.compiled_model, twin.compiled_opt)
+    with pytest.raises(optpass.OptpassError) as error:
+        step(*mlp_data(0))
+    message = str(error.value)
+    assert "DataDependentSGD.step() cannot be traced as one graph" in message
+    assert "test_optimizer_in_backward.py" in message and "the break" in message   # the line
+    assert "drop optimizer_in_backward" in message
+    # the harvest runs nothing: no parameter moved, no state was created
+    assert all(torch.equal(p, q) for p, q in zip(twin.compiled_model.parameters(), before))
+    assert not twin.compiled_opt.state
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True])

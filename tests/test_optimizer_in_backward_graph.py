@@ -130,7 +130,7 @@ class TestOptimizerInBackwardGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -15,8 +15,34 @@
+@@ -15,8 +15,32 @@
  view_0 = aten.view(sum_0, [2])
 +mul_0 = aten.mul.Tensor(view_0, view_0)
 +sum_1 = aten.sum(mul_0)
@@ -155,17 +155,15 @@ class TestOptimizerInBackwardGraph(TestCase):
 +sum_3 = aten.sum.dim_IntList(mse_loss_backward_1, [0], True)
 +view_1 = aten.view(sum_3, [2])
 +mul_3 = aten.mul.Tensor(view_1, clamp_max_0)
-+clone_0 = aten.clone(in1)
 +neg_0 = aten.neg(in4)
-+fma_0 = prims.fma(mul_3, neg_0, clone_0)
-+copy_0 = aten.copy(clone_0, fma_0)
++fma_0 = prims.fma(mul_3, neg_0, in1)
++copy_0 = aten.copy(in1, fma_0)
 +copy__0 = aten.copy_(in1, copy_0)
 +t_6 = aten.t(t_5)
 +mul_4 = aten.mul.Tensor(t_6, clamp_max_0)
-+clone_1 = aten.clone(in0)
 +neg_1 = aten.neg(in4)
-+fma_1 = prims.fma(mul_4, neg_1, clone_1)
-+copy_1 = aten.copy(clone_1, fma_1)
++fma_1 = prims.fma(mul_4, neg_1, in0)
++copy_1 = aten.copy(in0, fma_1)
 +copy__1 = aten.copy_(in0, copy_1)
  detach_0 = aten.detach(mse_loss_0)
 -return (detach_0, copy_0, copy_1)

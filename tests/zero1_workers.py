@@ -45,15 +45,25 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return cls(params, **kwargs)
 
 
-def global_batch(step: int, world: int):
+# case "changing_batch": every rank's batch changes size between steps (a smaller last batch):
+# Dynamo recompiles once with the batch symbolic, and the sharded graph must stay symbolic
+CHANGING_PER_RANK = [3, 3, 2, 3, 2]      # no 1: Dynamo specializes a size of 1
+
+
+def per_rank(step: int, case: dict | None) -> int:
+    return CHANGING_PER_RANK[step % len(CHANGING_PER_RANK)] if (case or {}).get("changing_batch") else PER_RANK
+
+
+def global_batch(step: int, world: int, case: dict | None = None):
     g = torch.Generator().manual_seed(1000 + step)
-    n = PER_RANK * world
+    n = per_rank(step, case) * world
     return torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g)
 
 
-def local(batch, rank: int):
+def local(batch, rank: int, world: int):
     x, y = batch
-    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+    n = x.shape[0] // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
 def loss_fn(model, x, y):
@@ -93,7 +103,7 @@ def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: d
     opt = make_optimizer(optimizer, param_groups(model))
     lr_schedule = scheduler(opt, case or {})
     for i in range(steps):
-        x, y = global_batch(i, world)
+        x, y = global_batch(i, world, case)
         loss_fn(model, x, y).backward()
         clip(model, case or {})
         opt.step()
@@ -115,7 +125,7 @@ def train_ddp_zero(rank: int, optimizer: str, world: int, case: dict) -> nn.Modu
     opt.add_param_group(groups[1])
     lr_schedule = scheduler(opt, case)
     for i in range(STEPS):
-        x, y = local(global_batch(i, world), rank)
+        x, y = local(global_batch(i, world, case), rank, world)
         loss_fn(ddp, x, y).backward()
         clip(model, case)                      # DDP's gradients are averaged by now
         opt.step()
@@ -151,7 +161,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         optpass.report.clear_reports()
         with optpass.keep_graphs():
             for i in range(STEPS):
-                step(*local(global_batch(i, world), rank))
+                step(*local(global_batch(i, world, case), rank, world))
                 assert all(p.grad is None for p in model.parameters())
                 if lr_schedule is not None:
                     lr_schedule.step()
@@ -228,7 +238,7 @@ def failing_rank(rank: int, world: int, bad_rank: int, linger_s: float = 0.0) ->
     step = torch.compile(make_step(model, opt), backend="optpass",
                          options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
     for i in range(6):
-        x, y = local(global_batch(i, world), rank)
+        x, y = local(global_batch(i, world), rank, world)
         if i == 3 and rank == bad_rank:
             x = x[:, :5]                     # the model expects 6 features
             try:
@@ -246,7 +256,7 @@ def different_models(rank: int, world: int) -> str:
     opt = make_optimizer("AdamW", param_groups(model))
     step = torch.compile(make_step(model, opt), backend="optpass",
                          options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
-    step(*local(global_batch(0, world), rank))
+    step(*local(global_batch(0, world), rank, world))
     return "trained"
 
 
@@ -259,7 +269,7 @@ def ranks_agree_on_parameters(rank: int, world: int) -> float:
     step = torch.compile(make_step(model, opt), backend="optpass",
                          options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
     for i in range(3):
-        step(*local(global_batch(i, world), rank))
+        step(*local(global_batch(i, world), rank, world))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
