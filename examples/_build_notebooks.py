@@ -378,7 +378,9 @@ This notebook (CPU, well under two minutes):
 2. prints the graph diff of the rewrite;
 3. compares the estimated memory of the graph before and after;
 4. shows which layers of a sequence model keep their per-sample gradient, and why;
-5. computes the privacy budget ε with Opacus's RDP accountant.
+5. trains with Poisson sampling (a different batch size every step, 0 included): batches
+   padded to a few sizes with a mask, so the step compiles once per size bucket;
+6. computes the privacy budget ε with Opacus's RDP accountant.
 """),
     code("""
 import copy
@@ -620,12 +622,99 @@ for outcome in seq_report.passes:
             print("note:", note)
 """),
     md("""
-## 6. The privacy budget
+## 6. Poisson sampling: a different batch size every step
+
+The accountant below assumes Poisson sampling: each example joins a step's batch with
+probability `q` (Opacus's `DPDataLoader`), so the batch size changes every step and is
+sometimes 0. A compiled `vmap(grad(...))` step would recompile for every new size (and run
+eagerly after Dynamo's limit of 8); `mark_dynamic` does not help here, because vmap's batching rule
+for `cross_entropy` reads the batch size as an int. So each batch is padded to the next
+multiple of `MULTIPLE` with `optpass.pad_batch`, which also returns a mask of the real
+examples. The step zeroes the padded examples' clip coefficients with it, after clipping and
+before the sum: the sensitivity is unchanged. The sum is divided by the *expected* batch size
+`q·N`, as Opacus does, so an empty batch gives the noise alone.
+
+The eager twin runs the same step uncompiled on the unpadded batch (mask all True).
+`MULTIPLE = 16` keeps this notebook to a few compiles; √(q·N) = 8 would pad less and compile more.
+"""),
+    code("""
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch._dynamo.utils import counters
+
+Q = B / N              # sample rate: the expected batch size is q·N = 64
+MULTIPLE = 16
+
+
+def make_poisson_step(model, opt):
+    def loss_of_params(params, x, y):
+        return one_sample_loss(functional_call(model, params, (x.unsqueeze(0),)), y)
+
+    def clipped_noisy_gradients(x, y, mask):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = torch.where(mask, (C / (norms + 1e-6)).clamp(max=1.0), 0)   # padding: 0, after clipping
+        for name, p in model.named_parameters():
+            p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
+                      + NOISE * C * torch.randn_like(p)) / (Q * N)           # the expected batch size
+        return norms
+
+    def dp_step(x, y, mask):
+        norms = clipped_noisy_gradients(x, y, mask)
+        opt.step()
+        opt.zero_grad()
+        return norms
+    return dp_step
+
+
+torch._dynamo.reset()
+counters.clear()
+torch.manual_seed(0)
+poisson_model = MLP((FEATURES, 128, 128, CLASSES))
+poisson_twin = copy.deepcopy(poisson_model)
+poisson_step = torch.compile(make_poisson_step(poisson_model, torch.optim.SGD(poisson_model.parameters(), lr=0.5)),
+                             backend="optpass", options={"lower": "eager"}, dynamic=False)
+eager_poisson_step = make_poisson_step(poisson_twin, torch.optim.SGD(poisson_twin.parameters(), lr=0.5))
+
+sampler = UniformWithReplacementSampler(num_samples=N, sample_rate=Q, steps=12,
+                                        generator=torch.Generator().manual_seed(2))
+batches = [list(indices) for indices in sampler] + [[]]     # and an empty batch, which Poisson sampling can draw
+optpass.report.clear_reports()
+worst = 0.0
+for step, indices in enumerate(batches):
+    x, y = X_all[indices], Y_all[indices]
+    before = [p.detach().clone() for p in poisson_model.parameters()]
+    torch.manual_seed(2000 + step)
+    poisson_step(*optpass.pad_batch(x, y, multiple=MULTIPLE))
+    torch.manual_seed(2000 + step)
+    eager_poisson_step(x, y, torch.ones(len(indices), dtype=torch.bool))
+    worst = max(worst, max((p - q).abs().max().item()
+                           for p, q in zip(poisson_model.parameters(), poisson_twin.parameters())))
+    print(f"step {step:2d}: batch size {len(indices):2d}, padded to {optpass.bucket_size(len(indices), MULTIPLE)}, "
+          f"graphs compiled so far: {counters['stats']['unique_graphs']}")
+
+torch.manual_seed(2000 + len(batches) - 1)                  # the empty batch's update: the noise alone
+lr = 0.5
+noise_only = max((p - (old - lr * NOISE * C * torch.randn_like(p) / (Q * N))).abs().max().item()
+                 for p, old in zip(poisson_model.parameters(), before))
+rewrites = [p.status for r in optpass.recent_reports() if r.kind is GraphKind.OTHER
+            for p in r.passes if p.name == "per_sample_grad_norm"]
+print(f"\\nper_sample_grad_norm on the step graph of each bucket: {rewrites}")
+print(f"max |params - eager twin's| after every step: {worst:.2e}")
+print(f"empty batch: max |update - noise / (q·N) step|:  {noise_only:.2e}")
+assert worst < 1e-4 and noise_only < 1e-6
+"""),
+    md("""
+One graph per bucket the batches were padded to, plus the SGD update graph: after that, no
+batch size compiles anything, the empty batch included. The rewrite applied to each
+bucket's graph as to any fixed-size step.
+
+## 7. The privacy budget
 
 Each step touches a batch of `B` out of `N` samples, with noise multiplier `NOISE`.
 Opacus's RDP accountant turns that into an (ε, δ) guarantee. (Its analysis assumes
-Poisson sampling with rate `B / N`; the uniform batches above are the usual
-approximation of it.)
+Poisson sampling with rate `B / N`, as in section 6; the uniform batches of section 2 are
+the usual approximation of it.)
 """),
     code("""
 from opacus.accountants import RDPAccountant
@@ -648,6 +737,9 @@ print(f"{STEPS} steps, sample rate {B / N:.4f}, noise multiplier {NOISE}: "
 * With sequences, a layer whose `[B, out, in]` is no larger than the `X` and `G` the
   rewrite would keep (`T·(in+out) >= in·out`) keeps it (`dp_materialize="auto"`); the
   notes say which and why.
+* Poisson sampling: pad each batch with `optpass.pad_batch` and zero the padded examples'
+  clip coefficients with its mask. The step then compiles once per bucket, an empty batch
+  gives the noise alone, and the result equals the eager step on the unpadded batch.
 * Privacy accounting is unchanged: the step is still DP-SGD with the same clipping
   and noise, so Opacus's accountant applies as is.
 """),

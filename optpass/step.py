@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Iterable
 
+import sympy
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
 from optpass.capture import CapturedGraph, GraphKind
+from optpass.errors import OptpassError
 
 FORWARD, BACKWARD, GRADIENT_TRANSFORM, UPDATE, INPUT, OUTPUT = (
     "forward", "backward", "gradient_transform", "update", "input", "output")
@@ -66,10 +69,53 @@ class StepGraph:
             node.meta["val"] = node.target(*args, **kwargs)
 
     def emit(self, target, *args, **kwargs) -> torch.fx.Node:
-        """A new call_function node at the graph's insert point, with its meta['val']."""
+        """A new call_function node at the graph's insert point, with its meta['val'].
+
+        A symbolic size among the arguments (a SymInt read off a fake value's shape, e.g. a
+        batch size Dynamo made dynamic) becomes a graph value (``size_arg``): a SymInt object
+        in an FX argument would print as its symbol (``s17``), which the graph's code does not
+        define."""
+        args, kwargs = torch.fx.node.map_aggregate(
+            (args, kwargs), lambda a: self.size_arg(a) if isinstance(a, torch.SymInt) else a)
         node = self.graph.call_function(target, args, kwargs)
         self.set_fake_value(node)
         return node
+
+    def size_arg(self, size):
+        """``size`` as an FX argument: an int as is; a symbolic size as a node computing it from the
+        graph's inputs (a SymInt placeholder, or ``sym_size`` of an input tensor), with
+        ``operator.mul`` / ``operator.add`` for products and sums of them (``B·T``, ``B·vocab``)."""
+        if not isinstance(size, torch.SymInt):
+            return size
+        constant = size.node.maybe_as_int()
+        return constant if constant is not None else self._expr_arg(size.node.expr)
+
+    def _expr_arg(self, expr):
+        if expr.is_Integer:
+            return int(expr)
+        if isinstance(expr, (sympy.Mul, sympy.Add)):
+            op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            terms = [self._expr_arg(a) for a in expr.args]
+            value = terms[0]
+            for term in terms[1:]:
+                value = self.emit(op, value, term)
+            return value
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for node in placeholders:                                      # a SymInt input of the graph
+            value = node.meta.get("val")
+            if isinstance(value, torch.SymInt) and value.node.expr == expr:
+                return node
+        for node in placeholders:                                      # a dimension of an input tensor
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                        return self.emit(torch.ops.aten.sym_size.int, node, dim)
+        raise OptpassError(
+            f"a pass needs the symbolic size {expr} as a graph value, and no input of this graph has it "
+            "(nor is it a product or sum of the inputs' sizes). Make that dimension static "
+            "(torch._dynamo.mark_static, or torch.compile(..., dynamic=False)), or disable the pass "
+            "(options={'disable_passes': [...]}); and please report the step.")
 
     @property
     def output_node(self) -> torch.fx.Node:

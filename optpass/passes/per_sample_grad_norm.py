@@ -54,6 +54,12 @@ An Embedding's rows are recognised by their offsets ``b·vocab`` (sample b owns 
 [b·vocab, (b+1)·vocab)); the ids must also index the forward ``embedding`` of a
 [vocab, d] weight, whose run-time bounds check keeps each sample in its own rows.
 
+A symbolic batch size (``torch._dynamo.mark_dynamic``, automatic dynamic) is rewritten the same
+way: no decision depends on B (``dp_materialize='auto'`` compares per-sample sizes), and the
+views and GEMM the rewrite emits take B (and B·T) from the graph's inputs (``StepGraph.emit``).
+With Poisson sampling, vmap itself specializes B for ``cross_entropy`` and ``nn.Embedding``;
+the README's recipe pads batches to a few static sizes instead (``optpass.pad_batch``).
+
 Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
 O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)
 FLOPs; segment: O(B·T·d)) instead of O(B·vocab·d) for an Embedding weight, which is

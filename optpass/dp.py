@@ -1,0 +1,51 @@
+"""DP-SGD with Poisson sampling: variable batch sizes padded to a few sizes, with a mask.
+
+Poisson sampling (each example joins a step's batch with probability q, as Opacus's
+``DPDataLoader`` does) gives a different batch size B every step, 0 included. A compiled
+``vmap(grad(...))`` step recompiles for every new B: functorch's batching rules of
+``cross_entropy`` (its ``gather``) and of ``nn.Embedding``'s backward read B as a Python
+int, so even ``torch._dynamo.mark_dynamic`` cannot keep it symbolic, and after Dynamo's
+recompile limit (8) the step silently runs eagerly.
+
+``pad_batch`` pads a batch to the next multiple of ``multiple`` examples (an empty batch to
+``multiple``), so a step compiles once per bucket, and returns a mask of the real examples.
+The step zeroes the padded examples' clip coefficients with it, after clipping and before the
+sum: a padded example adds nothing, each real one at most the clipping norm, so the
+sensitivity is unchanged (jax_privacy's batch selection pads the same way)::
+
+    x, y, mask = optpass.pad_batch(x, y, multiple=16)
+    ...
+    coef = torch.where(mask, (C / (norms + 1e-6)).clamp(max=1.0), 0)
+
+Padding repeats zeros (token id 0 for integer tensors): inputs whose gradients are finite for
+the usual models; the mask then removes them exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bucket_size", "pad_batch"]
+
+
+def bucket_size(batch_size: int, multiple: int) -> int:
+    """The padded size of a batch of ``batch_size`` examples: the next multiple of ``multiple``,
+    and ``multiple`` for an empty batch (so B = 0 needs no compile of its own)."""
+    if multiple < 1 or batch_size < 0:
+        raise ValueError(f"bucket_size: need batch_size >= 0 and multiple >= 1, got {batch_size} and {multiple}")
+    return max(1, -(-batch_size // multiple)) * multiple
+
+
+def pad_batch(*tensors: torch.Tensor, multiple: int) -> tuple[torch.Tensor, ...]:
+    """``(*padded, mask)``: each tensor zero-padded along dimension 0 to ``bucket_size(B, multiple)``,
+    and ``mask`` [padded B] bool, True for the B real examples (the first B rows)."""
+    if not tensors:
+        raise ValueError("pad_batch: give at least one tensor (the batch's inputs, targets, ...)")
+    batch = tensors[0].shape[0]
+    if any(t.shape[0] != batch for t in tensors):
+        raise ValueError(f"pad_batch: the tensors disagree on the batch size (dimension 0): "
+                         f"{[tuple(t.shape) for t in tensors]}")
+    size = bucket_size(batch, multiple)
+    padded = tuple(torch.cat([t, t.new_zeros((size - batch, *t.shape[1:]))]) for t in tensors)
+    mask = torch.arange(size, device=tensors[0].device) < batch
+    return (*padded, mask)
