@@ -115,7 +115,7 @@ def test_checkpoint_resumes_exactly_on_the_same_and_a_different_world_size(tmp_p
         assert worst <= 1e-12, (world, worst)
 
 
-@pytest.mark.parametrize("linger_s", [0, 20], ids=["failing-rank-exits", "failing-rank-stays"])
+@pytest.mark.parametrize("linger_s", [0, 30], ids=["failing-rank-exits", "failing-rank-stays"])
 def test_a_failing_rank_makes_every_rank_fail_without_hanging(linger_s):
     """The failing rank raises its own error; the others fail with a clear one, at the latest
     after the process group's timeout (5 s here), also while the failing rank stays alive."""
@@ -125,7 +125,9 @@ def test_a_failing_rank_makes_every_rank_fail_without_hanging(linger_s):
     waiting = results[0]
     assert waiting.type == "OptpassError"
     assert "failed on rank 0 of 2" in waiting.message and "another rank" in waiting.message
-    assert waiting.elapsed_s < 5 + 12
+    # before the lingering rank exits (30 s): the timeout ended the wait; the slack is compile
+    # time on a loaded 2-core machine (18.96 s measured once with other test runs beside it)
+    assert waiting.elapsed_s < 5 + 20
 
 
 def test_different_models_across_ranks_are_caught_at_compile_time():
