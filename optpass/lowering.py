@@ -197,14 +197,15 @@ def random_ops_in_checkpoint_refused():
     except RuntimeError as error:
         if "RNG ops in recompute regions" not in str(error):
             raise
+        ops = "".join(f"\n  {op}" for op in _random_ops_to_recompute(error))
         raise OptpassError(
             "activation checkpointing would recompute ops that draw random numbers, which torch "
             "cannot replay in a step whose backward() is traced into the graph (what optpass "
             "compiles); scaled_dot_product_attention counts as random even with dropout_p=0. "
             "Fix: keep dropout and scaled_dot_product_attention out of the checkpointed function "
             "(for a Hugging Face model: attn_implementation=\"eager\" and zero dropout in the "
-            "checkpointed layers), or train without activation checkpointing. The ops:"
-            + "".join(f"\n  {op}" for op in _random_ops_to_recompute(error))) from error
+            "checkpointed layers), or train without activation checkpointing."
+            + (f" The random ops:{ops}" if ops else "")) from error
 
 
 def _random_ops_to_recompute(error: RuntimeError) -> list[str]:
