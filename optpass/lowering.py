@@ -184,13 +184,14 @@ def random_ops_in_checkpoint_refused():
     """Activation checkpointing around random ops, in a step whose backward is traced: refused.
 
     Precondition: a region under ``torch.utils.checkpoint`` (Hugging Face's
-    ``gradient_checkpointing_enable()``) holds an op that draws random numbers: dropout, or
-    ``scaled_dot_product_attention``, whose aten kernels are tagged random even with
-    ``dropout_p=0``. Recomputing it in backward must replay the same numbers; torch 2.13 does
-    that only when it partitions a forward/backward joint graph, not in the single
-    forward-loss-backward graph that a traced ``backward()`` gives (under any backend), where
-    AOTAutograd raises a RuntimeError that names neither the op nor the fix. Effect: the same
-    refusal as an OptpassError that names the ops (with their source lines) and the fix.
+    ``activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``) holds
+    an op that draws random numbers: dropout, or ``scaled_dot_product_attention``, whose aten
+    kernels are tagged random even with ``dropout_p=0``. Recomputing it in backward must replay
+    the same numbers; torch 2.13 does that only when it partitions a forward/backward joint
+    graph, not in the single forward-loss-backward graph that a traced ``backward()`` gives
+    (under any backend), where AOTAutograd raises a RuntimeError that names neither the op nor
+    the fix. Effect: the same refusal as an OptpassError that names the ops (with their source
+    lines) and the fix.
     """
     try:
         yield

@@ -132,6 +132,16 @@ def image_batches(n_labels, generator_seed=0):
              "labels": torch.randint(0, n_labels, (2,), generator=g)} for _ in range(STEPS)]
 
 
+def enable_checkpointing(model):
+    """torch.utils.checkpoint(use_reentrant=False) around each decoder layer. transformers 5
+    renamed gradient_checkpointing_enable (a deprecated alias until v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
 def decoder_config(config_class, **kwargs):
     return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **kwargs)
@@ -161,14 +171,13 @@ def test_gpt2_with_labels_is_fused_and_matches_eager():
 
 
 def test_llama_with_activation_checkpointing_matches_eager():
-    """gradient_checkpointing_enable (torch.utils.checkpoint, use_reentrant=False): the decoder
+    """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False): the decoder
     layer's activations are recomputed inside the traced backward, the updates fused after them.
     Eager attention: SDPA in a checkpointed region is refused (next test)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(decoder_config(transformers.LlamaConfig,
                                                          attn_implementation="eager")).double()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    enable_checkpointing(model)
     losses, model, reference = train_fused_and_eager(model, adamw, token_batches([(2, 8)] * STEPS))
     assert_same_losses(losses, rel=F32_LOSS)
     assert_same_parameters(model, reference)
@@ -179,8 +188,7 @@ def test_checkpointing_around_sdpa_is_refused_with_the_op_and_the_fix(llama):
     the graph (under any backend), and SDPA's kernels count as random even with dropout_p=0.
     AOTAutograd's own error names neither; optpass's names the op, its line, and the fix."""
     model = copy.deepcopy(llama)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    enable_checkpointing(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = torch.compile(hf_step(model, opt), backend="optpass",
                          options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True})
@@ -196,8 +204,9 @@ def test_checkpointing_around_sdpa_is_refused_with_the_op_and_the_fix(llama):
 
 def test_llama_bf16_autocast_matches_eager(llama):
     """bf16 autocast around the forward of a float32 model (autocast leaves float64 alone).
-    Losses equal eager's; parameters to float32 rounding: SGD's harvested update computes
-    p - lr * g as one fused multiply-add (prims.fma) where eager's add_ rounds its own way."""
+    Losses equal eager's; parameters to float32 rounding: the fused update reads lr as a 0-d
+    tensor, and Dynamo's tensor-lr SGD update (one fused multiply-add) rounds differently from
+    eager's add_ (README, Numerics)."""
     model = copy.deepcopy(llama).float()
     losses, model, reference = train_fused_and_eager(model, sgd, token_batches([(2, 8)] * STEPS), autocast=True)
     assert_same_losses(losses, rel=F32_LOSS)
