@@ -97,7 +97,9 @@ def train_fused_and_eager(model, make_optimizer, batches, *, autocast=False, see
         losses.append((fused_loss.item(), eager(batch).item()))
         assert all(p.grad is None for p in model.parameters()), f"step {i}: an update was not fused"
     reports = optpass.recent_reports()
-    assert GraphKind.FORWARD not in [r.kind for r in reports]          # no break before backward()
+    kinds = [r.kind for r in reports]
+    assert GraphKind.FORWARD not in kinds            # no break before backward()
+    assert GraphKind.UPDATE not in kinds             # torch.optim's step() found nothing to update
     steps = [r for r in reports if r.kind is GraphKind.STEP]
     assert steps and all(any(p.name == "optimizer_in_backward" and p.status == "applied" for p in r.passes)
                          for r in steps)
@@ -243,6 +245,7 @@ def test_bert_masked_lm_with_dropout_matches_eager_on_the_same_seed():
                                      intermediate_size=64, max_position_embeddings=64)
     assert config.hidden_dropout_prob > 0 and config.attention_probs_dropout_prob > 0
     model = transformers.BertForMaskedLM(config).double()
+    assert model.training
     losses, model, reference = train_fused_and_eager(model, sgd, token_batches([(2, 8)] * STEPS, mask_every=2),
                                                      seed_each_step=True)
     assert_same_losses(losses)
@@ -308,7 +311,7 @@ def test_llama_zero1_on_two_ranks_matches_single_process_training(zero1_ranks):
     from distributed import values
 
     for result in values(zero1_ranks.result()):
-        assert result["sharded"] and "forward" not in result["kinds"]
+        assert result["sharded"] and not {"forward", "update"} & set(result["kinds"]), result["kinds"]
         assert result["vs_single_process"] <= 1e-12, result
         for fused, eager in result["losses"]:
             assert fused == pytest.approx(eager, rel=1e-6), result["losses"]
