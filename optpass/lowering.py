@@ -9,10 +9,15 @@
 * ``dry`` (``optpass.explain``): trace to aten and run the pipeline, but run
   nothing: the callable returns zeros shaped like the real outputs, so
   explaining a step does not train the model.
+
+Each lowering turns torch's refusal of random ops in an activation-checkpointed
+region (a limit of graphs whose backward is traced) into an ``OptpassError``
+that names the ops and the fix (``random_ops_in_checkpoint_refused``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Callable
@@ -24,6 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from optpass import passes
 from optpass.capture import CapturedGraph
+from optpass.errors import OptpassError, user_line
 from optpass.report import GraphReport, keeping_graphs
 from optpass.step import StepGraph
 
@@ -85,8 +91,9 @@ def lower_eager(gm, example_inputs, rewrite_fn: Callable[[torch.fx.Graph], None]
     def compile_backward(aten_gm: torch.fx.GraphModule, _inputs):
         return make_boxed_func(aten_gm.forward)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_rewritten,
-                                 bw_compiler=compile_backward, keep_inference_input_mutations=True)
+    with random_ops_in_checkpoint_refused():
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compile_rewritten,
+                                     bw_compiler=compile_backward, keep_inference_input_mutations=True)
 
 
 # ---------------------------------------------------------------- inductor
@@ -132,7 +139,8 @@ def lower_inductor(gm, example_inputs, rewrite_fn, key: str):
         # randn_like over 3.1M elements, 180 ms vs 33 ms); DP-SGD's noise makes that most of a
         # step. With aten's generator the stream is also eager PyTorch's for the same seed.
         patches["fallback_random"] = True
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    with random_ops_in_checkpoint_refused():
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def _all_on_cpu(example_inputs) -> bool:
@@ -148,8 +156,9 @@ def lower_dry(gm, example_inputs, rewrite_fn):
         rewrite_fn(aten_gm.graph)
         return make_boxed_func(aten_gm.forward)
 
-    aot_module_simplified(gm, example_inputs, fw_compiler=record_only, bw_compiler=record_only,
-                          keep_inference_input_mutations=True)
+    with random_ops_in_checkpoint_refused():
+        aot_module_simplified(gm, example_inputs, fw_compiler=record_only, bw_compiler=record_only,
+                              keep_inference_input_mutations=True)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
                 for a in output.args[0]]
@@ -166,3 +175,53 @@ def _zeros_like(example: Any) -> Any:
     shape = [int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in example.shape]
     return torch.zeros(shape, dtype=example.dtype, device=example.device).requires_grad_(
         example.requires_grad)
+
+
+# ---------------------------------------------------------------- torch's refusals, explained
+
+@contextlib.contextmanager
+def random_ops_in_checkpoint_refused():
+    """Activation checkpointing around random ops, in a step whose backward is traced: refused.
+
+    Precondition: a region under ``torch.utils.checkpoint`` (Hugging Face's
+    ``activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``) holds
+    an op that draws random numbers: dropout, or ``scaled_dot_product_attention``, whose aten
+    kernels are tagged random even with ``dropout_p=0``. Recomputing it in backward must replay
+    the same numbers; torch 2.13 does that only when it partitions a forward/backward joint
+    graph, not in the single forward-loss-backward graph that a traced ``backward()`` gives
+    (under any backend), where AOTAutograd raises a RuntimeError that names neither the op nor
+    the fix. Effect: the same refusal as an OptpassError that names the ops (with their source
+    lines) and the fix.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if "RNG ops in recompute regions" not in str(error):
+            raise
+        ops = "".join(f"\n  {op}" for op in _random_ops_to_recompute(error))
+        raise OptpassError(
+            "activation checkpointing would recompute ops that draw random numbers, which torch "
+            "cannot replay in a step whose backward() is traced into the graph (what optpass "
+            "compiles); scaled_dot_product_attention counts as random even with dropout_p=0. "
+            "Fix: keep dropout and scaled_dot_product_attention out of the checkpointed function "
+            "(for a Hugging Face model: attn_implementation=\"eager\" and zero dropout in the "
+            "checkpointed layers), or train without activation checkpointing."
+            + (f" The random ops:{ops}" if ops else "")) from error
+
+
+def _random_ops_to_recompute(error: RuntimeError) -> list[str]:
+    """The random ops torch refused to recompute, with their source lines: read from the aten
+    graph its remat pass was given (the raising frame's ``gm``), the first three distinct ones."""
+    from torch._functorch.partitioners import must_recompute
+
+    tb, gm = error.__traceback__, None
+    while tb is not None and gm is None:
+        if tb.tb_frame.f_code.co_name == "remat_using_tags_for_fwd_loss_bwd_graph":
+            gm = tb.tb_frame.f_locals.get("gm")
+        tb = tb.tb_next
+    found: list[str] = []
+    for node in gm.graph.nodes if isinstance(gm, torch.fx.GraphModule) else ():
+        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            where = user_line(node.meta.get("stack_trace"))
+            found.append(f"{node.target} at {where}" if where else str(node.target))
+    return list(dict.fromkeys(found))[:3]

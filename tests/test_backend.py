@@ -167,6 +167,32 @@ def test_post_accumulate_grad_hooks_are_refused():
     assert isinstance(info.value, optpass.OptpassError) or "OptpassError" in repr(info.value)
 
 
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_dropout_in_a_checkpointed_region_is_refused_with_the_op_and_the_fix(lower):
+    """torch cannot recompute a checkpointed region's random ops when backward() is traced into
+    the graph (AOTAutograd raises a RuntimeError that names neither the op nor a fix, under any
+    backend); optpass refuses with the op, its line and the fix, in both lowerings."""
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        out = torch.utils.checkpoint.checkpoint(lambda h: F.dropout(model(h), 0.1), x, use_reentrant=False)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    step = torch.compile(train_step, backend="optpass", options={"lower": lower})
+    with pytest.raises(Exception, match="activation checkpointing would recompute ops that draw random "
+                                         "numbers") as info:
+        step(*data())
+    assert "OptpassError" in repr(info.value)
+    assert "aten.native_dropout.default at " in str(info.value) and "test_backend.py" in str(info.value)
+    assert "keep dropout and scaled_dot_product_attention out of the checkpointed function" in str(info.value)
+
+
 @pytest.mark.parametrize("options,match", [
     ({"lowr": "eager"}, r"unknown optpass option 'lowr'"),
     ({"lower": "tvm"}, r"'lower' must be one of 'inductor', 'eager'"),

@@ -291,3 +291,49 @@ def rewritten_graph_diff(rank: int, world: int) -> str:
             step(x, y)
     report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
     return optpass.graph_diff(report.graph_before, report.graph_after, context=0)
+
+
+def hf_causal_lm(rank: int, world: int, in_backward: bool) -> dict:
+    """A tiny Llama (transformers, labels=) trained with zero1 on this rank's slice of each
+    global batch, against the same model trained in one process on the whole batch."""
+    import copy
+
+    import transformers
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).double()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def make(m, o):
+        def train_step(ids):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out = loss.detach()
+            o.step()
+            o.zero_grad()
+            return out
+        return train_step
+
+    step = torch.compile(make(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager",
+                                  "optimizer_in_backward": in_backward})
+    eager = make(reference, ref_opt)
+    optpass.report.clear_reports()
+    losses = []
+    for i in range(5):
+        ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(i))
+        local_loss = step(ids[2 * rank:2 * (rank + 1)])
+        # the mean over ranks of each rank's mean token loss is the global batch's (equal token counts)
+        dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
+        losses.append((local_loss.item(), eager(ids).item()))
+        assert all(p.grad is None for p in model.parameters())
+    steps = [r for r in optpass.recent_reports() if r.kind is optpass.GraphKind.STEP]
+    return {"losses": losses, "vs_single_process": rel_diff(model, reference),
+            "kinds": [r.kind.value for r in optpass.recent_reports()],
+            "sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
+                           for r in steps) and bool(steps)}
