@@ -42,34 +42,31 @@ class TestOptimizerInBackwardGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -27,3 +27,19 @@
+@@ -27,3 +27,17 @@
  view_0 = aten.view(sum_0, [2])
-+clone_0 = aten.clone(in4)
 +mul_0 = aten.mul.Tensor(in10, 0.9)
 +add_0 = aten.add.Tensor(mul_0, view_0)
 +neg_0 = aten.neg(in6)
-+fma_0 = prims.fma(add_0, neg_0, clone_0)
-+copy_0 = aten.copy(clone_0, fma_0)
++fma_0 = prims.fma(add_0, neg_0, in4)
++copy_0 = aten.copy(in4, fma_0)
 +copy__0 = aten.copy_(in10, add_0)
 +copy__1 = aten.copy_(in4, copy_0)
  t_5 = aten.t(t_4)
-+clone_1 = aten.clone(in3)
 +mul_1 = aten.mul.Tensor(in9, 0.9)
 +add_1 = aten.add.Tensor(mul_1, t_5)
 +neg_1 = aten.neg(in6)
-+fma_1 = prims.fma(add_1, neg_1, clone_1)
-+copy_1 = aten.copy(clone_1, fma_1)
++fma_1 = prims.fma(add_1, neg_1, in3)
++copy_1 = aten.copy(in3, fma_1)
 +copy__2 = aten.copy_(in9, add_1)
 +copy__3 = aten.copy_(in3, copy_1)
  detach_1 = aten.detach(detach_0)
-@@ -35,12 +51,20 @@
+@@ -35,12 +49,18 @@
  view_1 = aten.view(sum_1, [4])
-+clone_2 = aten.clone(in1)
 +mul_2 = aten.mul.Tensor(in8, 0.9)
 +add_2 = aten.add.Tensor(mul_2, view_1)
 +neg_2 = aten.neg(in6)
-+fma_2 = prims.fma(add_2, neg_2, clone_2)
-+copy_2 = aten.copy(clone_2, fma_2)
++fma_2 = prims.fma(add_2, neg_2, in1)
++copy_2 = aten.copy(in1, fma_2)
 +copy__4 = aten.copy_(in8, add_2)
 +copy__5 = aten.copy_(in1, copy_2)
  t_8 = aten.t(t_7)
@@ -81,12 +78,11 @@ class TestOptimizerInBackwardGraph(TestCase):
 -copy_2 = aten.copy(empty_like_2, t_5)
 -empty_like_3 = aten.empty_like(in4, pin_memory=False)
 -copy_3 = aten.copy(empty_like_3, view_0)
-+clone_3 = aten.clone(in0)
 +mul_3 = aten.mul.Tensor(in7, 0.9)
 +add_3 = aten.add.Tensor(mul_3, t_8)
 +neg_3 = aten.neg(in6)
-+fma_3 = prims.fma(add_3, neg_3, clone_3)
-+copy_3 = aten.copy(clone_3, fma_3)
++fma_3 = prims.fma(add_3, neg_3, in0)
++copy_3 = aten.copy(in0, fma_3)
 +copy__6 = aten.copy_(in7, add_3)
 +copy__7 = aten.copy_(in0, copy_3)
  detach_2 = aten.detach(mse_loss_0)
@@ -109,14 +105,13 @@ class TestOptimizerInBackwardGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -24,5 +24,8 @@
+@@ -24,5 +24,7 @@
  add_0 = aten.add.Tensor(t_4, embedding_dense_backward_0)
 -empty_like_0 = aten.empty_like(in0, pin_memory=False)
 -copy_0 = aten.copy(empty_like_0, add_0)
-+clone_0 = aten.clone(in0)
 +neg_0 = aten.neg(in3)
-+fma_0 = prims.fma(add_0, neg_0, clone_0)
-+copy_0 = aten.copy(clone_0, fma_0)
++fma_0 = prims.fma(add_0, neg_0, in0)
++copy_0 = aten.copy(in0, fma_0)
 +copy__0 = aten.copy_(in0, copy_0)
  detach_2 = aten.detach(getitem_0)
 -return (detach_2, copy_0)

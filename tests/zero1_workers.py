@@ -1,4 +1,4 @@
-"""What each rank runs in the ZeRO-1 tests (tests/test_zero1.py); importable by spawned processes.
+"""What each rank runs in the ZeRO-1 tests (tests/test_zero1.py, tests/test_zero1_runtime.py); importable by spawned processes.
 
 Every worker trains a small model with two param groups and uneven parameter
 sizes (the last bias has 1 element: fewer than the ranks) on its slice of a
