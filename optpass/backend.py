@@ -108,11 +108,28 @@ def explaining_backend(gm, example_inputs, options=None):
         except OptpassError as error:
             verdict = f"data_parallel='zero1' refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
-    if (options.optimizer_in_backward and options.data_parallel is None and captured.kind is GraphKind.STEP
-            and report.legality.startswith("optimizer_in_backward is legal")):
+    masters_legal = False
+    if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
+        try:
+            check_master_weights(captured, options)
+            master_state(options.optimizer, options.master_weights)
+            verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "
+                                      "gradient transform before opt.step()"), True
+        except OptpassError as error:
+            verdict = f"master_weights refused: {error}"
+        report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
+    in_backward_legal = report.legality.startswith("optimizer_in_backward is legal")
+    if options.master_weights is not None:
+        fused_class = MasterWeightsStep
+        fuse = masters_legal and (in_backward_legal if options.optimizer_in_backward
+                                  else ends_at_optimizer_step(captured))
+    else:
+        fused_class = OptimizerInBackwardStep
+        fuse = options.optimizer_in_backward and options.data_parallel is None and in_backward_legal
+    if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
         compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)
-        runtime = OptimizerInBackwardStep(gm, captured, options, None, compile_fn)
+        runtime = fused_class(gm, captured, options, None, compile_fn)
         fused, _ = runtime._compile_fused(list(example_inputs))
         return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
     return _lower_dry(gm, example_inputs, {}, captured=captured, options=options, report=report)

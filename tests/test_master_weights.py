@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import optpass
 from optpass.models import MLP
-from parity import make_step, mlp_data, mlp_loss
+from parity import make_step, mlp_data, mlp_loss, unique_graphs
 
 STEPS = 20
 SIZES = (16, 32, 4)           # a 2-layer MLP: the tests' time is compile time, which grows with the graph
@@ -91,8 +91,10 @@ def master_diff(opt, reference: MegatronReference) -> float:
                for p, m in zip(masters, reference.masters))
 
 
-def param_ulps(model, reference: MegatronReference) -> int:
-    return max(ulps(p, q) for p, q in zip(model.parameters(), reference.model.parameters()))
+def param_ulps(model, reference) -> int:
+    """Largest distance of `model`'s parameters from the reference's (a MegatronReference or a module)."""
+    other = reference.model if isinstance(reference, MegatronReference) else reference
+    return max(ulps(p, q) for p, q in zip(model.parameters(), other.parameters()))
 
 
 def applied_reports():
@@ -173,21 +175,43 @@ def gained_loss(model, x, y):
     return F.mse_loss(model(x), y.float())
 
 
-def test_fp32_parameters_are_their_own_master():
+def test_fp32_parameters_eager_state_and_an_lr_scheduler():
+    """A bf16 body with an fp32 gain, trained 3 steps eagerly (torch.optim on the bf16 parameters),
+    then with master_weights: the fp32 gain is its own master, updated as it is; the state the eager
+    steps made becomes the masters' (bf16 -> fp32), as a checkpoint without masters would; the
+    masters start from the parameters; lr changes every step without a recompile."""
     torch.manual_seed(0)
     model = Gained()
-    # the fp32 gain is updated by Adam as torch.compile formulates it (see the parity test)
-    reference = MegatronReference(copy.deepcopy(model), OPTIMIZERS["adamw"], update="compiled")
     opt = OPTIMIZERS["adamw"](model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
+    eager_step = make_step(model, opt, gained_loss)
+    for i in range(3):
+        eager_step(*mlp_data(i, torch.bfloat16))
+        scheduler.step()
+    assert opt.state[model.body[0].weight]["exp_avg"].dtype == torch.bfloat16
+    # the reference continues the Megatron way from here (the fp32 gain is updated by Adam as
+    # torch.compile formulates it, see the parity test)
+    reference = MegatronReference(copy.deepcopy(model), OPTIMIZERS["adamw"], update="compiled")
+    for master, state in zip(reference.masters, opt.state.values()):   # copies: optpass takes over the originals
+        reference.opt.state[master] = {k: v.to(torch.float32, copy=True) if k != "step" else v.clone()
+                                       for k, v in state.items()}
+    reference.opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].clone()
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference.opt, 1, gamma=0.8)
     step = compiled(model, opt, loss_fn=gained_loss, optimizer_in_backward=True)
-    for i in range(8):
+    for i in range(3, 10):
         x, y = mlp_data(i, torch.bfloat16)
         assert step(x, y).item() == reference.step(x, y, gained_loss).item()
+        scheduler.step()
+        reference_scheduler.step()
+        if i == 3:
+            graphs = unique_graphs()
+    assert unique_graphs() == graphs                  # lr is an input of the fused graph
     masters = optpass.master_weights(opt)
-    assert masters[model.gain] is model.gain               # updated as it is, in fp32
+    assert masters[model.gain] is model.gain           # updated as it is, in fp32
     assert all(masters[p].dtype == torch.float32 and masters[p] is not p for p in model.body.parameters())
-    assert master_diff(opt, reference) == 0
-    assert max(ulps(p, q) for p, q in zip(model.body.parameters(), reference.model.body.parameters())) == 0
+    assert not opt.state
+    assert param_ulps(model.body, reference.model.body) == 0 and master_diff(opt, reference) == 0
+    assert torch.equal(model.gain, reference.model.gain)
 
 
 def test_bf16_without_masters_loses_small_updates_with_masters_it_does_not():
@@ -276,6 +300,17 @@ def test_checkpoint_resumes_in_a_fresh_process_exactly(tmp_path):
     _run_to(model, opt, step, STEPS // 2, STEPS)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), final))
     assert len(optpass.recent_reports()) == compiles
+
+
+def test_explain_shows_the_master_update_and_trains_nothing():
+    model = MLP(SIZES).to(torch.bfloat16)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    text = str(optpass.explain(make_step(model, opt, mlp_loss), *mlp_data(0, torch.bfloat16), options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "optimizer_in_backward": True}))
+    assert "pass master_weights: applied" in text and "4 of 4 parameters updated on fp32 masters, inside backward" in text
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state    # no bf16 state was made
 
 
 # ------------------------------------------------------------------ refusals
