@@ -364,6 +364,11 @@ class MasterWeightsStep(OptimizerInBackwardStep):
         self.masters.sync_groups()           # add_param_group: the new group gets masters
         super()._find_fused_parameters()
 
+    @torch._dynamo.disable
+    def _compile_fused(self, args):
+        self.masters.sync_settings()         # harvest the update the user's optimizer describes now
+        return super()._compile_fused(args)
+
     def _update_source(self):
         master_of = self.masters.master_of()
         return self.masters.master_optimizer, {name: master_of[id(p)] for name, p in self.fused.items()}

@@ -102,6 +102,12 @@ class MasterWeights:
                     "the fp32 masters were made. Add parameters with opt.add_param_group(...), not by "
                     "editing a group.")
 
+    def sync_settings(self) -> None:
+        """The user's hyper-parameters (a load_state_dict replaces the user's param groups): the
+        update harvested next is the one the user's optimizer describes."""
+        for user, mine in zip(self.optimizer.param_groups, self.master_optimizer.param_groups):
+            mine.update({k: v for k, v in user.items() if k not in ("params", "param_names")})
+
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, master) for every parameter of the user's optimizer, in its order."""
         for user, mine in zip(self.optimizer.param_groups, self.master_optimizer.param_groups):
@@ -134,36 +140,34 @@ class MasterWeights:
     def adopt_loaded(self) -> None:
         """Move what opt.load_state_dict put into the user's optimizer into the masters.
 
-        ``state[STATE_DICT_KEY]`` (a checkpoint with masters) is taken as it is; state torch.optim
-        loaded for a parameter (a checkpoint without masters, or eager steps before) becomes the
-        master optimizer's, in fp32, and that parameter's master is re-read from it at the next step."""
+        ``state[STATE_DICT_KEY]`` (a checkpoint with masters) is taken as it is. State torch.optim
+        holds for a parameter (a checkpoint without masters, or eager steps before) becomes the
+        master optimizer's, in fp32, and that master is re-read from the parameter at the next step.
+        Tensors are taken, not copied, as torch.optim's load_state_dict takes them."""
         state = self.optimizer.state
         saved = state.pop(STATE_DICT_KEY, None)
-        pairs = list(self.pairs())
+        plain = [(p, m, state.pop(p)) for p, m in self.pairs() if p in state]
         if saved is not None:
-            with torch.no_grad():
-                for index, master in saved.get("masters", {}).items():
-                    p, m = pairs[index]
-                    if m is p:
-                        raise OptpassError(
-                            f"master_weights: the checkpoint has an fp32 master for parameter {index}, "
-                            f"which is {p.dtype} here (its own master). Build the model in the dtypes it "
-                            "was saved with.")
-                    m.copy_(master)
-                    self._stale.discard(id(p))
-            for index, values in saved.get("state", {}).items():
+            self._load_entry(saved)
+        for p, m, values in plain:
+            self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
+            if m is not p:
+                self._stale.add(id(p))
+
+    def _load_entry(self, saved: dict) -> None:
+        pairs = list(self.pairs())
+        with torch.no_grad():
+            for index, master in saved.get("masters", {}).items():
                 p, m = pairs[index]
-                self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
-        for p, m in pairs:
-            if p in state:                     # torch.optim's own state for p: not a master's
-                values = state.pop(p)
-                self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
-                if m is not p and (saved is None or _index_of(pairs, p) not in saved.get("masters", {})):
-                    self._stale.add(id(p))
-
-
-def _index_of(pairs, p) -> int:
-    return next(i for i, (q, _) in enumerate(pairs) if q is p)
+                if m is p:
+                    raise OptpassError(
+                        f"master_weights: the checkpoint has an fp32 master for parameter {index}, which "
+                        f"is {p.dtype} here (its own master). Build the model in the dtypes it was saved with.")
+                m.copy_(master)
+                self._stale.discard(id(p))
+        for index, values in saved.get("state", {}).items():
+            _, m = pairs[index]
+            self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
 
 
 def _as_master_state(key, value, master: torch.Tensor):
@@ -192,13 +196,21 @@ def _adopt_after_load(optimizer) -> None:
 
 
 def _refuse_step_outside_the_compiled_step(optimizer, args, kwargs) -> None:
+    """An eager opt.step() with gradients present. While Dynamo traces opt.step() (inside the
+    compiled step, where the gradients it sees are still pending) this checks nothing: an update
+    graph that receives gradients is refused by the backend (legality.check_master_weights)."""
+    if torch.compiler.is_compiling():
+        return
     low = [p for g in optimizer.param_groups for p in g["params"]
            if p.grad is not None and p.dtype in LOW_PRECISION]
     if low:
-        raise OptpassError(
-            f"master_weights: opt.step() was called with gradients on {len(low)} {low[0].dtype} "
-            "parameter(s). This optimizer's update runs on fp32 master weights inside the step compiled "
-            "with options={'optimizer': opt, 'master_weights': torch.float32}; this call would update the "
+        raise OptpassError(step_outside_message(len(low), low[0].dtype))
+
+
+def step_outside_message(count: int, dtype) -> str:
+    return (f"master_weights: opt.step() was called with gradients on {count} {dtype} parameter(s). This "
+            "optimizer's update runs on fp32 master weights inside the step compiled with "
+            "options={'optimizer': opt, 'master_weights': torch.float32}; this call would update the "
             "half-precision parameters directly and the masters would not see it. Call opt.step() inside "
             "that compiled step, after loss.backward().")
 

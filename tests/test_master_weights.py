@@ -48,7 +48,7 @@ class MegatronReference:
         loss = loss_fn(self.model, x, y)
         loss.backward()
         for p, master in zip(self.model.parameters(), self.masters):
-            if master is not p:                        # copy the model gradients to fp32 main grads
+            if master is not p and p.grad is not None:   # copy the model gradients to fp32 main grads
                 master.grad = p.grad.float()
                 p.grad = None
         self.update()
@@ -212,6 +212,34 @@ def test_fp32_parameters_eager_state_and_an_lr_scheduler():
     assert not opt.state
     assert param_ulps(model.body, reference.model.body) == 0 and master_diff(opt, reference) == 0
     assert torch.equal(model.gain, reference.model.gain)
+
+
+def test_a_param_group_added_later_gets_masters():
+    """Fine-tuning: a frozen layer is unfrozen and given to the optimizer with add_param_group. Dynamo
+    traces the step again, opt.step()'s pre-hooks included (the guard must not see the gradients
+    that are still pending there); the new group gets masters and its own lr."""
+    torch.manual_seed(0)
+    start = MLP(SIZES).to(torch.bfloat16)
+    first = lambda model: list(model.parameters())[:2]         # noqa: E731
+    for p in first(start):
+        p.requires_grad_(False)
+    model = copy.deepcopy(start)
+    opt = OPTIMIZERS["adamw"](list(model.parameters())[2:])
+    reference = MegatronReference(copy.deepcopy(start), lambda masters: OPTIMIZERS["adamw"](masters[2:]),
+                                  update="compiled")
+    step = compiled(model, opt, optimizer_in_backward=True)
+    for i in range(6):
+        if i == 2:
+            for module, optimizer, params in ((model, opt, first(model)),
+                                              (reference.model, reference.opt, reference.masters[:2])):
+                for p in first(module):
+                    p.requires_grad_(True)
+                optimizer.add_param_group({"params": params, "lr": torch.tensor(3e-3), "weight_decay": 0.0})
+        x, y = mlp_data(i, torch.bfloat16)
+        assert step(x, y).item() == reference.step(x, y).item(), i
+    masters = optpass.master_weights(opt)
+    assert all(torch.equal(masters[p], m) for p, m in zip(model.parameters(), reference.masters))
+    assert param_ulps(model, reference) == 0 and all(p.grad is None for p in model.parameters())
 
 
 def test_bf16_without_masters_loses_small_updates_with_masters_it_does_not():
@@ -385,7 +413,15 @@ def test_opt_step_outside_the_compiled_step_is_refused():
     step(*mlp_data(0, torch.bfloat16))
     assert all(p.grad is not None for p in model.parameters())
     with pytest.raises(optpass.OptpassError, match="opt.step\\(\\) was called with gradients"):
+        opt.step()                                     # eagerly: the optimizer's step pre-hook
+
+    def update_only():
         opt.step()
+        opt.zero_grad()
+
+    update = torch.compile(update_only, backend="optpass", options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32})
+    assert "opt.step() was called with gradients" in refused(update)    # compiled: its update graph
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 

@@ -110,6 +110,15 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     _refuse_backward_outside(captured, "master_weights")
     if captured.kind is GraphKind.STEP:
         _refuse_unseen_gradient_transforms(captured, "master_weights")
+    if captured.kind is GraphKind.UPDATE:
+        # opt.step() with gradients present: the fused step left none, so they come from elsewhere
+        # (a compiled micro-step) and this update would bypass the masters
+        from optpass.mixed_precision import LOW_PRECISION, step_outside_message
+
+        fed = [p.tensor for p in captured.params if p.name in captured.gradient_inputs
+               and p.tensor.dtype in LOW_PRECISION]
+        if fed:
+            raise OptpassError(step_outside_message(len(fed), fed[0].dtype))
 
 
 def _refuse_parallel_collectives(graph: torch.fx.Graph) -> None:
