@@ -118,7 +118,7 @@ def explaining_backend(gm, example_inputs, options=None):
         except OptpassError as error:
             verdict = f"master_weights refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
-    in_backward_legal = report.legality.startswith("optimizer_in_backward is legal")
+    in_backward_legal = (report.legality or "").startswith("optimizer_in_backward is legal")
     if options.master_weights is not None:
         fused_class = MasterWeightsStep
         fuse = masters_legal and (in_backward_legal if options.optimizer_in_backward

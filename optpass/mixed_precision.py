@@ -25,9 +25,9 @@ This module holds what lives outside the step graph, per user optimizer:
   the parameter's bf16 — so the fp32 values survive a load in a fresh process
   even before optpass has seen the optimizer; optpass adopts them at the next
   step (or right away, through a load hook, once it knows the optimizer);
-* **a guard** — ``opt.step()`` called with gradients on a bf16/fp16 parameter
-  (outside the compiled step) would update the half-precision weights directly,
-  bypassing the masters: it raises instead.
+* **a guard** — ``opt.step()`` called with gradients present (outside the compiled
+  step, e.g. after a compiled micro-step) would update the parameters directly,
+  bypassing the masters and their state: it raises instead.
 
 ``optpass.master_weights(opt)`` returns ``{parameter: master}``.
 """
@@ -185,8 +185,9 @@ def _add_masters_to_state_dict(optimizer, state_dict: dict) -> None:
     store = _STORES.get(optimizer)
     if store is not None:
         store.adopt_loaded()
-        state_dict["state"].pop(STATE_DICT_KEY, None)
-        state_dict["state"][STATE_DICT_KEY] = store.state_dict_entry()
+        # the masters' optimizer holds all parameter state: only its entry, and what is not a parameter's
+        kept = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int) and k != STATE_DICT_KEY}
+        state_dict["state"] = {**kept, STATE_DICT_KEY: store.state_dict_entry()}
 
 
 def _adopt_after_load(optimizer) -> None:
@@ -201,18 +202,18 @@ def _refuse_step_outside_the_compiled_step(optimizer, args, kwargs) -> None:
     graph that receives gradients is refused by the backend (legality.check_master_weights)."""
     if torch.compiler.is_compiling():
         return
-    low = [p for g in optimizer.param_groups for p in g["params"]
-           if p.grad is not None and p.dtype in LOW_PRECISION]
-    if low:
-        raise OptpassError(step_outside_message(len(low), low[0].dtype))
+    fed = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if fed:
+        raise OptpassError(step_outside_message(fed))
 
 
-def step_outside_message(count: int, dtype) -> str:
-    return (f"master_weights: opt.step() was called with gradients on {count} {dtype} parameter(s). This "
-            "optimizer's update runs on fp32 master weights inside the step compiled with "
+def step_outside_message(params: list[torch.Tensor]) -> str:
+    dtypes = ", ".join(sorted({str(p.dtype) for p in params}))
+    return (f"master_weights: opt.step() was called with gradients on {len(params)} parameter(s) ({dtypes}). "
+            "This optimizer's update runs on fp32 master weights inside the step compiled with "
             "options={'optimizer': opt, 'master_weights': torch.float32}; this call would update the "
-            "half-precision parameters directly and the masters would not see it. Call opt.step() inside "
-            "that compiled step, after loss.backward().")
+            "parameters directly, and the masters and their optimizer state would not see it. Call "
+            "opt.step() inside that compiled step, after loss.backward().")
 
 
 # ---------------------------------------------------------------- access

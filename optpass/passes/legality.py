@@ -113,12 +113,13 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     if captured.kind is GraphKind.UPDATE:
         # opt.step() with gradients present: the fused step left none, so they come from elsewhere
         # (a compiled micro-step) and this update would bypass the masters
-        from optpass.mixed_precision import LOW_PRECISION, step_outside_message
+        from optpass.mixed_precision import step_outside_message
 
-        fed = [p.tensor for p in captured.params if p.name in captured.gradient_inputs
-               and p.tensor.dtype in LOW_PRECISION]
+        in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
+        fed = [p.tensor for p in captured.params
+               if p.name in captured.gradient_inputs and id(p.tensor) in in_optimizer]
         if fed:
-            raise OptpassError(step_outside_message(len(fed), fed[0].dtype))
+            raise OptpassError(step_outside_message(fed))
 
 
 def _refuse_parallel_collectives(graph: torch.fx.Graph) -> None:
