@@ -888,8 +888,175 @@ assert worst < 1e-4
 """),
 ]
 
+MIXED_PRECISION = [
+    md("""
+# fp32 master weights for bf16 parameters with optpass
+
+Training with `bfloat16` parameters halves the memory of the weights, but
+`torch.optim` then updates the bf16 weights directly, and every update is
+rounded to bf16. bf16 keeps 8 significant bits: next to a weight of 1.0 the
+closest other values are 0.996 and 1.0078, so **any update smaller than
+2⁻⁸ ≈ 0.004 is rounded away** and the weight never moves. Megatron-LM (and
+DeepSpeed, Apex AMP O2) keep an fp32 *master* copy of every half-precision
+parameter: the gradient is cast to fp32, the optimizer updates the fp32 copy,
+and the model gets the copy rounded to bf16.
+
+optpass does the same inside the compiled step, with your ordinary optimizer
+built over the bf16 parameters:
+`options={"optimizer": opt, "master_weights": torch.float32}`.
+
+This notebook shows the stall, its fix, the graph diff, and what a checkpoint holds.
+"""),
+    code("""
+%matplotlib inline
+import logging
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import optpass
+
+logging.getLogger("torch._dynamo.variables.ctx_manager").setLevel(logging.ERROR)
+print("torch", torch.__version__, "| optpass", optpass.__version__)
+"""),
+    md("""
+## 1. A model whose every update is small
+
+Eight weights start at 1.0 and should move to 1.02. With SGD at `lr=0.05` each
+update is about 0.002 at first, and smaller later: below the 0.004 that a bf16
+weight of 1.0 can register.
+
+The same model is trained three times, from the same data:
+
+* **fp32**: eager PyTorch, float32 weights (the reference);
+* **bf16**: eager PyTorch, bfloat16 weights, `torch.optim` updating them directly;
+* **bf16 + masters**: the same bf16 model and optimizer, compiled with optpass and
+  `master_weights` (and `optimizer_in_backward`: each update runs as soon as its
+  gradient is final).
+"""),
+    code("""
+torch.manual_seed(0)
+x = torch.randn(64, 8)
+y = x @ torch.full((8, 1), 1.02)
+
+
+def make(dtype):
+    model = nn.Linear(8, 1, bias=False).to(dtype)
+    nn.init.ones_(model.weight)
+    return model, torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05))
+
+
+def make_train_step(model, opt):
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+fp32, fp32_opt = make(torch.float32)
+bf16, bf16_opt = make(torch.bfloat16)
+mixed, mixed_opt = make(torch.bfloat16)
+runs = {
+    "fp32": (fp32, make_train_step(fp32, fp32_opt), torch.float32),
+    "bf16": (bf16, make_train_step(bf16, bf16_opt), torch.bfloat16),
+    "bf16 + masters": (mixed, torch.compile(make_train_step(mixed, mixed_opt), backend="optpass", options={
+        "optimizer": mixed_opt, "master_weights": torch.float32, "optimizer_in_backward": True,
+        "lower": "eager"}), torch.bfloat16),
+}
+"""),
+    md("""
+Train 40 steps and record the mean weight (for the optpass run also its fp32
+master, read with `optpass.master_weights(opt)`). The first call of the optpass
+step compiles it; `keep_graphs()` keeps its graphs for section 2.
+"""),
+    code("""
+MASTER = "bf16 + masters: the fp32 master"
+history = {name: [1.0] for name in runs}
+history[MASTER] = [1.0]
+with optpass.keep_graphs():
+    for step_index in range(40):
+        for name, (model, step, dtype) in runs.items():
+            step(x.to(dtype), y.to(dtype))
+            history[name].append(model.weight.float().mean().item())
+        master = optpass.master_weights(mixed_opt)[mixed.weight]
+        history[MASTER].append(master.mean().item())
+
+for name, values in history.items():
+    print(f"{name:34s} mean weight after 40 steps: {values[-1]:.5f}")
+
+plt.figure(figsize=(7, 3.5))
+for name, values in history.items():
+    bf16_weights = name in ("bf16", "bf16 + masters")
+    plt.plot(values, label=name, drawstyle="steps-post" if bf16_weights else "default",
+             linestyle="--" if name == MASTER else "-")
+plt.axhline(1.02, color="gray", linewidth=0.5)
+plt.xlabel("step"); plt.ylabel("mean weight"); plt.legend(); plt.title("bf16 stalls; fp32 masters fix it")
+plt.show()
+"""),
+    md("""
+Plain bf16 training never leaves 1.0: every update was rounded away. With fp32
+masters the small updates add up in the master, and the bf16 weights follow it,
+one bf16 step (2⁻⁷ ≈ 0.0078 above 1.0) at a time. The bf16 weights are exactly
+the masters rounded:
+"""),
+    code("""
+master = optpass.master_weights(mixed_opt)[mixed.weight]
+print("master:      ", master)
+print("bf16 weights:", mixed.weight.data)
+print("weights == masters rounded to bf16:", torch.equal(mixed.weight, master.to(torch.bfloat16)))
+"""),
+    md("""
+## 2. What optpass did to the step
+
+The graph diff of the compiled step: the gradient is cast to fp32
+(`convert_element_type`), torch.optim's own SGD update runs on the master
+(an input of the graph, like the optimizer state and lr), the new master is
+written in place, and its bf16 rounding is copied into the parameter. The
+gradient's output slot becomes `None`: `p.grad` stays None and `opt.step()`
+has nothing to do.
+"""),
+    code("""
+report = next(r for r in optpass.recent_reports()
+              if any(p.name == "master_weights" and p.status == "applied" for p in r.passes))
+print(optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1))
+"""),
+    md("""
+## 3. Checkpoints
+
+`opt.state_dict()` holds the fp32 masters and the fp32 optimizer state, under
+one entry of `state` that torch.optim's `load_state_dict` keeps as it is (it
+casts parameter state to the parameter's dtype, which would round the masters to
+bf16). Saving and loading is the usual `torch.save` / `opt.load_state_dict`,
+also in a fresh process before the first step.
+"""),
+    code("""
+saved = mixed_opt.state_dict()["state"]
+print(list(saved))
+entry = saved["optpass.master_weights"]
+print("masters:", {i: (tuple(t.shape), t.dtype) for i, t in entry["masters"].items()})
+print("state:  ", {i: {k: v.dtype for k, v in s.items()} for i, s in entry["state"].items()})
+"""),
+    md("""
+## Summary
+
+* `options={"optimizer": opt, "master_weights": torch.float32}`: an fp32 master per
+  bf16/fp16 parameter, torch.optim's update on the master, the rounded master in the
+  parameter (fp32 parameters are updated as they are).
+* With `optimizer_in_backward=True` each master is updated as soon as its gradient is
+  final; without it, after backward. Either way no step keeps an fp32 copy of the gradients.
+* Not yet (issue 13): with `data_parallel="zero1"`, fp16 with a `GradScaler`, and
+  `clip_grad_norm`; optpass refuses them with an error that says so.
+"""),
+]
+
 NOTEBOOKS = {"optimizer_in_backward.ipynb": OPTIMIZER_IN_BACKWARD, "dp_sgd.ipynb": DP_SGD,
-             "zero1.ipynb": ZERO1}
+             "zero1.ipynb": ZERO1, "mixed_precision.ipynb": MIXED_PRECISION}
 
 
 def build(cells) -> nbformat.NotebookNode:

@@ -21,7 +21,8 @@ _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
          "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
          "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
          "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
-         "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dp", "bucket_size": "optpass.dp"}
+         "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dp", "bucket_size": "optpass.dp",
+         "master_weights": "optpass.mixed_precision"}
 
 
 def __getattr__(name):
@@ -38,4 +39,5 @@ __all__ = [
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
+    "master_weights",
 ]

@@ -13,8 +13,11 @@ from optpass import lowering
 from optpass.capture import (GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError
-from optpass.fused_update import OptimizerInBackwardStep, ShardedStep, refuse_update_during_accumulation
-from optpass.passes.legality import check_optimizer_in_backward, check_zero1
+from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ShardedStep,
+                                  refuse_update_during_accumulation)
+from optpass.passes.legality import (check_master_weights, check_optimizer_in_backward, check_zero1,
+                                     ends_at_optimizer_step)
+from optpass.mixed_precision import master_state
 from optpass.options import Options
 from optpass.report import GraphReport, record
 
@@ -46,6 +49,21 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         if captured.kind is GraphKind.STEP:
             compile_fn = functools.partial(_lower, captured=captured, options=options)
             return ShardedStep(gm, captured, options, gm.forward, compile_fn)
+        return _lower(gm, example_inputs, {}, captured=captured, options=options)
+    # fp32 master weights: the step graph applies every update on the masters, inside backward
+    # (optimizer_in_backward) or after it (a step that calls opt.step()); the user's opt.step() is idle.
+    if options.master_weights is not None and captured.kind is not GraphKind.OTHER:
+        check_master_weights(captured, options)
+        # made now (not at the first fused step): it refuses an optimizer with no bf16/fp16 parameter,
+        # and guards opt.step() against running outside the compiled step, after a micro-step too
+        master_state(options.optimizer, options.master_weights)
+        if options.optimizer_in_backward:
+            check_optimizer_in_backward(captured, options)
+            refuse_update_during_accumulation(captured, options)
+        if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
+            compile_fn = functools.partial(_lower, captured=captured, options=options)
+            plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
+            return MasterWeightsStep(gm, captured, options, plain, compile_fn)
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     # Optimizer in backward: prove it legal on this graph, then run the step through the
     # callable that fuses torch.optim's own update into backward from the second update on.
@@ -90,11 +108,28 @@ def explaining_backend(gm, example_inputs, options=None):
         except OptpassError as error:
             verdict = f"data_parallel='zero1' refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
-    if (options.optimizer_in_backward and options.data_parallel is None and captured.kind is GraphKind.STEP
-            and report.legality.startswith("optimizer_in_backward is legal")):
+    masters_legal = False
+    if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
+        try:
+            check_master_weights(captured, options)
+            master_state(options.optimizer, options.master_weights)
+            verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "
+                                      "gradient transform before opt.step()"), True
+        except OptpassError as error:
+            verdict = f"master_weights refused: {error}"
+        report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
+    in_backward_legal = (report.legality or "").startswith("optimizer_in_backward is legal")
+    if options.master_weights is not None:
+        fused_class = MasterWeightsStep
+        fuse = masters_legal and (in_backward_legal if options.optimizer_in_backward
+                                  else ends_at_optimizer_step(captured))
+    else:
+        fused_class = OptimizerInBackwardStep
+        fuse = options.optimizer_in_backward and options.data_parallel is None and in_backward_legal
+    if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
         compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)
-        runtime = OptimizerInBackwardStep(gm, captured, options, None, compile_fn)
+        runtime = fused_class(gm, captured, options, None, compile_fn)
         fused, _ = runtime._compile_fused(list(example_inputs))
         return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
     return _lower_dry(gm, example_inputs, {}, captured=captured, options=options, report=report)

@@ -127,8 +127,13 @@ class OptimizerInBackwardStep:
         """The current lr of param group `group` of the harvested optimizer (a scheduler changes it)."""
         return self.optimizer.param_groups[group]["lr"]
 
-    def _make_plan(self, harvested, lr_index: dict, state_index: dict) -> tuple[str, Any]:
+    def _make_plan(self, harvested, lr_index: dict, state_index: dict, param_index: dict) -> tuple[str, Any]:
         return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index)
+
+    def _separate_params(self, names: dict[str, torch.Tensor]) -> list[str]:
+        """Parameters whose update writes a tensor other than the step's parameter (an fp32 master):
+        that tensor becomes an input of the fused graph."""
+        return []
 
     def _state_layout(self) -> tuple:
         """Which state exists, of which shape and dtype: the harvested update depends on it."""
@@ -165,13 +170,18 @@ class OptimizerInBackwardStep:
                       for key in update.states if (name, key) not in created] if harvested else []
         # created state goes last: _run stores those inputs into opt.state after the call
         state_keys += list(created)
+        separate = self._separate_params(names) if harvested else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+        # extra inputs, in this order: each group's lr, separate parameters (masters), state
         first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] +
+                                           [f"optpass_master_{n}".replace(".", "_") for n in separate] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
+        first_state = first_extra + len(groups) + len(separate)
         context_key, plan = self._make_plan(
             harvested,
             lr_index={g: first_extra + i for i, g in enumerate(groups)},
-            state_index={nk: first_extra + len(groups) + i for i, nk in enumerate(state_keys)})
+            state_index={nk: first_state + i for i, nk in enumerate(state_keys)},
+            param_index={n: first_extra + len(groups) + i for i, n in enumerate(separate)})
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
                     if not isinstance(self._lr(g), torch.Tensor)}
         existing = [(names[name], key) for name, key in state_keys if (name, key) not in created]
@@ -181,7 +191,7 @@ class OptimizerInBackwardStep:
             for g in groups:
                 lr = self._lr(g)
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
-            return (lrs + [optimizer.state[p][key] for p, key in existing]
+            return (lrs + [names[n] for n in separate] + [optimizer.state[p][key] for p, key in existing]
                     + [spec.allocate() for spec in created.values()])
 
         inputs = extras()
@@ -318,9 +328,56 @@ class ShardedStep(OptimizerInBackwardStep):
     def _lr(self, group: int):
         return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
 
-    def _make_plan(self, harvested, lr_index, state_index):
+    def _make_plan(self, harvested, lr_index, state_index, param_index):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan
 
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,
                                     clip_grad_norm=self.options.clip_grad_norm)
+
+
+class MasterWeightsStep(OptimizerInBackwardStep):
+    """The step callable for master_weights (with or without optimizer_in_backward).
+
+    Same life cycle as OptimizerInBackwardStep, but the update is the master
+    optimizer's (``mixed_precision.py``: the user's class and hyper-parameters
+    over fp32 masters): the ``master_weights`` pass casts each bf16/fp16 gradient
+    to fp32, runs torch.optim's harvested update on the master, and copies the
+    rounded master into the parameter, inside backward (optimizer_in_backward) or
+    after it. The masters are extra inputs of the fused graph, like the state.
+    """
+
+    feature = "master_weights"
+
+    def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
+        from optpass.mixed_precision import master_state
+
+        self.masters = master_state(options.optimizer, options.master_weights)
+        super().__init__(gm, captured, options, plain, compile_fn)
+
+    def __call__(self, *args):
+        self.masters.adopt_loaded()          # a checkpoint loaded before optpass knew the optimizer
+        self.masters.refresh()
+        return super().__call__(*args)
+
+    def _find_fused_parameters(self) -> None:
+        self.masters.sync_groups()           # add_param_group: the new group gets masters
+        super()._find_fused_parameters()
+
+    @torch._dynamo.disable
+    def _compile_fused(self, args):
+        self.masters.sync_settings()         # harvest the update the user's optimizer describes now
+        return super()._compile_fused(args)
+
+    def _update_source(self):
+        master_of = self.masters.master_of()
+        return self.masters.master_optimizer, {name: master_of[id(p)] for name, p in self.fused.items()}
+
+    def _separate_params(self, names):
+        return [name for name, master in names.items() if master is not self.fused[name]]
+
+    def _make_plan(self, harvested, lr_index, state_index, param_index):
+        from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY, MasterPlan
+
+        return MASTER_KEY, MasterPlan(harvested, lr_index, state_index, param_index,
+                                      in_backward=self.options.optimizer_in_backward)

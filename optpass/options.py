@@ -30,6 +30,16 @@ def _optimizer_type() -> type:
     return torch.optim.Optimizer
 
 
+def _dtype_type() -> type:
+    import torch
+
+    return torch.dtype
+
+
+# Issue 13, part 1: what master_weights supports so far (the error for the rest names the issue).
+MASTER_WEIGHTS_ISSUE = "issue 13 (mixed precision)"
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("lower", (str,), "inductor",
            "how the rewritten graph runs: 'inductor' (compile_fx) or 'eager' (the aten graph as is)",
@@ -44,6 +54,9 @@ OPTIONS: tuple[Option, ...] = (
            "the torch.optim optimizer the step uses (needed by optimizer_in_backward)"),
     Option("optimizer_in_backward", (bool,), False,
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
+    Option("master_weights", (type(None), "dtype"), None,
+           "torch.float32: keep an fp32 master copy of every bf16/fp16 parameter; torch.optim's own update "
+           "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter"),
     Option("accumulation_steps", (int,), 1,
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
     Option("clip_grad_norm", (type(None), float, int), None,
@@ -81,6 +94,7 @@ class Options:
     warn_on_graph_break: bool = True
     optimizer: Any = None
     optimizer_in_backward: bool = False
+    master_weights: Any = None
     accumulation_steps: int = 1
     clip_grad_norm: float | None = None
     data_parallel: str | None = None
@@ -117,11 +131,13 @@ class Options:
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
-                     self.data_parallel, self.partition, self.bucket_bytes, self.dp_materialize))
+                     self.data_parallel, self.partition, self.bucket_bytes, self.dp_materialize,
+                     str(self.master_weights)))
 
 
 def _check_type(option: Option, value: Any) -> None:
-    types = tuple(_optimizer_type() if t == "optimizer" else t for t in option.types)
+    named = {"optimizer": _optimizer_type, "dtype": _dtype_type}
+    types = tuple(named[t]() if isinstance(t, str) else t for t in option.types)
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
         raise OptpassError(
@@ -158,11 +174,42 @@ def _check_combinations(options: Options) -> None:
                 "undoes the in-backward placement. Use one of the two with clip_grad_norm.")
         if options.bucket_bytes < 1:
             raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
+    if options.master_weights is not None:
+        _check_master_weights(options)
     if options.accumulation_steps < 1:
         raise OptpassError(f"accumulation_steps must be >= 1, got {options.accumulation_steps}")
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:
         raise OptpassError("accumulation_steps is for optimizer_in_backward; without it, accumulate "
                            "as usual (call opt.step() every K micro-steps)")
+
+
+def _check_master_weights(options: Options) -> None:
+    import torch
+
+    if options.master_weights is not torch.float32:
+        raise OptpassError(
+            f"master_weights must be torch.float32 (the dtype of the master copies), got "
+            f"{options.master_weights}: fp32 masters are what keeps small updates of bf16/fp16 "
+            "parameters from being rounded away. Use options={'optimizer': opt, 'master_weights': torch.float32}.")
+    if options.optimizer is None:
+        raise OptpassError("master_weights needs the optimizer whose update runs on the masters: "
+                           "options={'optimizer': opt, 'master_weights': torch.float32}")
+    if options.data_parallel is not None:
+        raise OptpassError(
+            f"master_weights with data_parallel={options.data_parallel!r} is not supported yet "
+            f"({MASTER_WEIGHTS_ISSUE}, part 2: masters sharded with the optimizer state). Train "
+            "data-parallel without master_weights, or with master_weights on one rank.")
+    if options.clip_grad_norm is not None:
+        raise OptpassError(
+            f"clip_grad_norm with master_weights is not supported yet ({MASTER_WEIGHTS_ISSUE}: clipping "
+            "by the global fp32 norm). Without optimizer_in_backward you can call "
+            "torch.nn.utils.clip_grad_norm_ in the step (it clips the half-precision gradients); "
+            "with it, drop clip_grad_norm or master_weights.")
+    selected = options.passes if options.passes is not None else ("master_weights",)
+    if "master_weights" not in selected or "master_weights" in options.disable_passes:
+        raise OptpassError(
+            "master_weights needs the pass master_weights (it applies every update, and the step hands "
+            "optpass its gradients); do not leave it out with options 'passes' / 'disable_passes'.")
 
 
 def _check_pass_names(options: Options) -> None:

@@ -7,6 +7,8 @@ and what it refuses in the module docstring. The pipeline, in order:
 |-----------------------|--------------------------|---------------|------------------|
 | clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
+| master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
+| shard_optimizer       | shard_optimizer.py       | when asked    | no (torch.optim's own update, 1/N of it) |
 | per_sample_grad_norm  | per_sample_grad_norm.py  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
@@ -34,8 +36,8 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, optimizer_in_backward,
-                            per_sample_grad_norm, shard_optimizer)
+from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, master_weights,
+                            optimizer_in_backward, per_sample_grad_norm, shard_optimizer)
 
 log = logging.getLogger("optpass")
 
@@ -54,6 +56,8 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
+    # bf16/fp16 parameters: torch.optim's update on fp32 masters, rounded into the parameters (opt-in).
+    GraphPass("master_weights", master_weights.run, applies_to=(GraphKind.STEP,), changes_numerics=True),
     # ZeRO-1: reduce-scatter, this rank's shard update, all-gather, in the graph (opt-in).
     GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,)),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.

@@ -74,18 +74,52 @@ def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
             f"`{SUPPORTED_SHAPE}`.")
 
 
-def _refuse_unseen_gradient_transforms(captured: CapturedGraph) -> None:
+def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str = "optimizer_in_backward") -> None:
     """A step graph must end at opt.step() or at return: a graph break after backward() hides
     whatever it does to the gradients (GradScaler's unscale_, a custom transform) from the proof."""
     if captured.split_reason is None or captured.split_reason.startswith(OPTIMIZER_SPLIT):
         return
     raise OptpassError(
-        f"optimizer_in_backward refused: the compiled step ends after backward() at "
+        f"{feature} refused: the compiled step ends after backward() at "
         f"{captured.split_line}, because of: {captured.split_reason}. What runs after that point "
         "(e.g. GradScaler.unscale_, a gradient transform with .item()) could change or couple the "
         "gradients, and optpass does not prove a rewrite on code it cannot see. Make everything "
         "between loss.backward() and opt.step() compile (no graph breaks), or drop "
-        "optimizer_in_backward.")
+        f"{feature}.")
+
+
+def ends_at_optimizer_step(captured: CapturedGraph) -> bool:
+    """The step graph stops where opt.step() begins (torch.optim is always a graph of its own)."""
+    return captured.split_reason is not None and captured.split_reason.startswith(OPTIMIZER_SPLIT)
+
+
+def check_master_weights(captured: CapturedGraph, options) -> None:
+    """master_weights applies every update inside the step graph (from the gradients it returns):
+    refuse a step whose backward, or whatever follows it before opt.step(), the graph does not hold."""
+    from optpass.options import MASTER_WEIGHTS_ISSUE
+
+    gm = captured.gm
+    reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", "") or ""
+    if "GradScaler" in reason:
+        where = f" at {captured.split_line}" if captured.split_line else ""
+        raise OptpassError(
+            f"master_weights with a GradScaler in the step{where} is not supported yet "
+            f"({MASTER_WEIGHTS_ISSUE}, part 3: dynamic loss scaling of fp16 parameters, found_inf and "
+            "skipped steps inside the fused update). For now train bf16 parameters without a "
+            "GradScaler, or fp16 without master_weights.")
+    _refuse_backward_outside(captured, "master_weights")
+    if captured.kind is GraphKind.STEP:
+        _refuse_unseen_gradient_transforms(captured, "master_weights")
+    if captured.kind is GraphKind.UPDATE:
+        # opt.step() with gradients present: the fused step left none, so they come from elsewhere
+        # (a compiled micro-step) and this update would bypass the masters
+        from optpass.mixed_precision import step_outside_message
+
+        in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
+        fed = [p.tensor for p in captured.params
+               if p.name in captured.gradient_inputs and id(p.tensor) in in_optimizer]
+        if fed:
+            raise OptpassError(step_outside_message(fed))
 
 
 def _refuse_parallel_collectives(graph: torch.fx.Graph) -> None:

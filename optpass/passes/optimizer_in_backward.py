@@ -43,6 +43,8 @@ CONTEXT_KEY = "optimizer_update"
 
 def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
+    if plan is None and options.master_weights is not None and options.optimizer_in_backward:
+        return "the updates run on fp32 masters: pass master_weights places them inside backward"
     if plan is None:
         return "not requested (options optimizer_in_backward)" if not options.optimizer_in_backward \
             else "this compile keeps gradients (first step or accumulation micro-step)"

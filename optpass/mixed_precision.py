@@ -1,0 +1,247 @@
+"""fp32 master weights for bf16/fp16 parameters (``options={"master_weights": torch.float32}``).
+
+Megatron-LM's mixed-precision step keeps an fp32 "main" copy of every
+half-precision parameter: the gradient is cast to fp32, the optimizer updates
+the fp32 copy, and the result is rounded back into the model's parameter. An
+update smaller than half a bf16 ulp of the weight (below ~0.004 for a weight of
+1.0) is then kept in the master instead of being rounded away.
+
+This module holds what lives outside the step graph, per user optimizer:
+
+* **the masters** — one fp32 tensor per bf16/fp16 parameter (``p.detach()`` cast
+  to fp32 when the step is first compiled); a parameter that is already fp32 (or
+  float64) is its own master and is updated as it is;
+* **the master optimizer** — a torch.optim optimizer of the user's class and
+  hyper-parameters over the masters, in the same param groups. It is the one
+  whose update optpass harvests (``harvest.py``) and fuses into the step, so its
+  state is created by torch.optim itself, in fp32. The user's optimizer never
+  steps and never holds state; lr is read from the user's param groups at every
+  step, so LR schedulers keep working;
+* **checkpoints** — ``opt.state_dict()`` carries the masters and the fp32 state
+  under ``state["optpass.master_weights"]`` (``{"masters": {i: tensor},
+  "state": {i: {key: tensor}}}``, ``i`` the parameter's index as in
+  ``param_groups[g]["params"]``). torch.optim's ``load_state_dict`` copies a
+  non-parameter entry of ``state`` as it is — it would cast parameter state to
+  the parameter's bf16 — so the fp32 values survive a load in a fresh process
+  even before optpass has seen the optimizer; optpass adopts them at the next
+  step (or right away, through a load hook, once it knows the optimizer);
+* **a guard** — ``opt.step()`` called with gradients present (outside the compiled
+  step, e.g. after a compiled micro-step) would update the parameters directly,
+  bypassing the masters and their state: it raises instead.
+
+``optpass.master_weights(opt)`` returns ``{parameter: master}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterator
+from weakref import WeakKeyDictionary
+
+import torch
+
+from optpass.errors import OptpassError
+from optpass.options import MASTER_WEIGHTS_ISSUE
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+STATE_DICT_KEY = "optpass.master_weights"
+
+_STORES: WeakKeyDictionary = WeakKeyDictionary()
+
+
+class MasterWeights:
+    """The fp32 masters of one user optimizer's low-precision parameters, and their optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype):
+        self.optimizer, self.dtype = optimizer, dtype
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(p.dtype in LOW_PRECISION for p in params):
+            dtypes = sorted({str(p.dtype) for p in params})
+            raise OptpassError(
+                f"master_weights: the optimizer's parameters are {', '.join(dtypes)}, none is bfloat16 or "
+                "float16, so there is nothing to keep an fp32 master copy of. Cast the model before "
+                "building the optimizer over it (model.to(torch.bfloat16)), or drop master_weights.")
+        self.master_optimizer = self._build_master_optimizer()
+        self._stale: set[int] = set()          # ids of parameters whose master must be re-read
+        optimizer.register_state_dict_post_hook(_add_masters_to_state_dict)
+        optimizer.register_load_state_dict_post_hook(_adopt_after_load)
+        optimizer.register_step_pre_hook(_refuse_step_outside_the_compiled_step)
+        self.adopt_loaded()
+
+    # ------------------------------------------------------------ masters
+
+    def _master_for(self, p: torch.Tensor) -> torch.Tensor:
+        if p.dtype not in LOW_PRECISION:
+            return p                           # fp32 (or wider): its own master
+        return p.detach().to(self.dtype, copy=True)
+
+    def _build_master_optimizer(self) -> torch.optim.Optimizer:
+        cls = type(self.optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+        groups = [self._master_group(g) for g in self.optimizer.param_groups]
+        try:
+            return cls(groups, **defaults)
+        except (TypeError, ValueError) as error:
+            raise OptpassError(f"master_weights: could not build a {cls.__name__} over the fp32 masters "
+                               f"({error}).") from error
+
+    def _master_group(self, group: dict) -> dict:
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        return {**settings, "params": [self._master_for(p) for p in group["params"]]}
+
+    def sync_groups(self) -> None:
+        """A param group the user added (add_param_group) gets its masters."""
+        user, mine = self.optimizer.param_groups, self.master_optimizer.param_groups
+        for index, group in enumerate(user):
+            if index >= len(mine):
+                self.master_optimizer.add_param_group(self._master_group(group))
+            elif len(group["params"]) != len(mine[index]["params"]):
+                raise OptpassError(
+                    f"master_weights: param group {index} of the optimizer changed its parameters after "
+                    "the fp32 masters were made. Add parameters with opt.add_param_group(...), not by "
+                    "editing a group.")
+
+    def sync_settings(self) -> None:
+        """The user's hyper-parameters (a load_state_dict replaces the user's param groups): the
+        update harvested next is the one the user's optimizer describes."""
+        for user, mine in zip(self.optimizer.param_groups, self.master_optimizer.param_groups):
+            mine.update({k: v for k, v in user.items() if k not in ("params", "param_names")})
+
+    def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, master) for every parameter of the user's optimizer, in its order."""
+        for user, mine in zip(self.optimizer.param_groups, self.master_optimizer.param_groups):
+            yield from zip(user["params"], mine["params"])
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        return {id(p): m for p, m in self.pairs()}
+
+    def refresh(self) -> None:
+        """Re-read the masters of parameters whose optimizer state was loaded without masters."""
+        if self._stale:
+            with torch.no_grad():
+                for p, m in self.pairs():
+                    if id(p) in self._stale and m is not p:
+                        m.copy_(p)
+            self._stale.clear()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict_entry(self) -> dict:
+        """The masters and the master optimizer's state, by the parameters' state_dict indices."""
+        masters, state = {}, {}
+        for index, (p, m) in enumerate(self.pairs()):
+            if m is not p:
+                masters[index] = m
+            if m in self.master_optimizer.state:
+                state[index] = dict(self.master_optimizer.state[m])
+        return {"masters": masters, "state": state}
+
+    def adopt_loaded(self) -> None:
+        """Move what opt.load_state_dict put into the user's optimizer into the masters.
+
+        ``state[STATE_DICT_KEY]`` (a checkpoint with masters) is taken as it is. State torch.optim
+        holds for a parameter (a checkpoint without masters, or eager steps before) becomes the
+        master optimizer's, in fp32, and that master is re-read from the parameter at the next step.
+        Tensors are taken, not copied, as torch.optim's load_state_dict takes them."""
+        state = self.optimizer.state
+        saved = state.pop(STATE_DICT_KEY, None)
+        plain = [(p, m, state.pop(p)) for p, m in self.pairs() if p in state]
+        if saved is not None:
+            self._load_entry(saved)
+        for p, m, values in plain:
+            self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
+            if m is not p:
+                self._stale.add(id(p))
+
+    def _load_entry(self, saved: dict) -> None:
+        pairs = list(self.pairs())
+        with torch.no_grad():
+            for index, master in saved.get("masters", {}).items():
+                p, m = pairs[index]
+                if m is p:
+                    raise OptpassError(
+                        f"master_weights: the checkpoint has an fp32 master for parameter {index}, which "
+                        f"is {p.dtype} here (its own master). Build the model in the dtypes it was saved with.")
+                m.copy_(master)
+                self._stale.discard(id(p))
+        for index, values in saved.get("state", {}).items():
+            _, m = pairs[index]
+            self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
+
+
+def _as_master_state(key, value, master: torch.Tensor):
+    """torch.optim's load policy, for the master: ``step`` as it is, floating state in its dtype."""
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if value.is_floating_point():
+        return value.to(dtype=master.dtype, device=master.device)
+    return value.to(device=master.device)
+
+
+# ---------------------------------------------------------------- hooks (on the user's optimizer)
+
+def _add_masters_to_state_dict(optimizer, state_dict: dict) -> None:
+    store = _STORES.get(optimizer)
+    if store is not None:
+        store.adopt_loaded()
+        # the masters' optimizer holds all parameter state: only its entry, and what is not a parameter's
+        kept = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int) and k != STATE_DICT_KEY}
+        state_dict["state"] = {**kept, STATE_DICT_KEY: store.state_dict_entry()}
+
+
+def _adopt_after_load(optimizer) -> None:
+    store = _STORES.get(optimizer)
+    if store is not None:
+        store.adopt_loaded()
+
+
+def _refuse_step_outside_the_compiled_step(optimizer, args, kwargs) -> None:
+    """An eager opt.step() with gradients present. While Dynamo traces opt.step() (inside the
+    compiled step, where the gradients it sees are still pending) this checks nothing: an update
+    graph that receives gradients is refused by the backend (legality.check_master_weights)."""
+    if torch.compiler.is_compiling():
+        return
+    fed = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if fed:
+        raise OptpassError(step_outside_message(fed))
+
+
+def step_outside_message(params: list[torch.Tensor]) -> str:
+    dtypes = ", ".join(sorted({str(p.dtype) for p in params}))
+    return (f"master_weights: opt.step() was called with gradients on {len(params)} parameter(s) ({dtypes}). "
+            "This optimizer's update runs on fp32 master weights inside the step compiled with "
+            "options={'optimizer': opt, 'master_weights': torch.float32}; this call would update the "
+            "parameters directly, and the masters and their optimizer state would not see it. Call "
+            "opt.step() inside that compiled step, after loss.backward().")
+
+
+# ---------------------------------------------------------------- access
+
+def master_state(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> MasterWeights:
+    """The masters of `optimizer` (created at the first compile of a step that uses them)."""
+    store = _STORES.get(optimizer)
+    if store is None:
+        store = MasterWeights(optimizer, dtype)
+        _STORES[optimizer] = store
+    elif store.dtype != dtype:
+        raise OptpassError(f"master_weights: this optimizer already has {store.dtype} masters; compile every "
+                           f"step that uses it with master_weights={store.dtype}.")
+    return store
+
+
+def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """``{parameter: master}`` for every parameter of `optimizer` (an fp32 parameter is its own master).
+
+    The masters are the tensors the fused step updates (in place); the model's bf16/fp16
+    parameters are their rounded copies. Available once a step compiled with
+    ``options={"optimizer": optimizer, "master_weights": torch.float32}`` has run."""
+    store = _STORES.get(optimizer)
+    if store is None:
+        raise OptpassError(
+            "this optimizer has no master weights (yet): they are made from the parameters when a step "
+            "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs. "
+            f"({MASTER_WEIGHTS_ISSUE})")
+    store.adopt_loaded()
+    store.refresh()
+    return {p: m for p, m in store.pairs()}

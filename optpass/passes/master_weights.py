@@ -1,0 +1,119 @@
+"""Pass master_weights: bf16/fp16 parameters updated through fp32 master copies (Megatron's step).
+
+Precondition: ``options={"optimizer": opt, "master_weights": torch.float32}``; a
+step graph with backward inside it (legality: no GradScaler, no graph break
+between ``backward()`` and ``opt.step()``; with optimizer_in_backward also its
+own proof); the master optimizer's update harvested from torch.optim
+(``harvest.py``; ``mixed_precision.py`` holds the masters and that optimizer),
+with each master, the master optimizer's state and each group's lr as extra
+inputs of the step graph (``fused_update.MasterWeightsStep`` adds them).
+
+Rewrite, for each parameter ``p`` the optimizer updates, with ``m`` its fp32 master:
+
+    g32 = convert_element_type(grad_p, float32)
+    m'  = <torch.optim update of (m, g32, state, lr)>;  copy_(m, m'); copy_(state, ...)
+    copy_(p, convert_element_type(m', p.dtype))          # round to nearest even
+
+A parameter that is already fp32 is its own master: its update is spliced as
+optimizer_in_backward splices it (no casts). Placement: with optimizer_in_backward
+right after ``p``'s gradient is final and every read of ``p``'s old value is done
+(as that pass places it); without it, after the whole step graph (after any
+gradient transform the step makes, e.g. ``clip_grad_norm_``), one parameter after
+the other. Every updated parameter's gradient output slot becomes ``None``.
+
+Effect: the update happens in fp32 on the master, so updates smaller than half a
+ulp of a bf16 weight accumulate instead of being lost; the model's parameters are
+the masters rounded. ``p.grad`` is None after the step and the step's
+``opt.step()`` has nothing to do (fact 4). With optimizer_in_backward each
+half-precision gradient dies at its update, and no fp32 gradient buffer exists
+(one fp32 gradient at a time).
+
+Refuses (``options.py``, ``legality.py``): a master dtype other than float32, no
+optimizer, data_parallel, clip_grad_norm, a GradScaler in the step (issue 13,
+later parts), an optimizer over parameters none of which is bf16/fp16.
+
+    before:                                   after (optimizer_in_backward):
+      g1 = mm(t(dy), x1)          # bf16        g1 = mm(t(dy), x1)
+      dx = mm(dy, w1)                           dx = mm(dy, w1)
+      ...                                       g1f = convert_element_type(g1, f32)
+      return (loss, g0, g1)                     m1' = <AdamW(m1, g1f, state1, lr)>; copy_(m1, m1')
+                                                copy_(w1, convert_element_type(m1', bf16))
+                                                ...
+                                                return (loss, None, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
+                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.step import REGION_KEY, UPDATE
+
+CONTEXT_KEY = "master_update"
+
+convert_element_type = torch.ops.prims.convert_element_type.default
+
+
+@dataclasses.dataclass
+class MasterPlan:
+    """What the pass needs: the master optimizer's harvested update and where its inputs are."""
+
+    harvested: object                          # HarvestedUpdate of the master optimizer
+    lr_index: dict[int, int]                   # param group -> Dynamo input index
+    state_index: dict[tuple[str, str], int]    # (parameter, state key) -> Dynamo input index
+    master_index: dict[str, int]               # parameter -> Dynamo input index of its master
+    in_backward: bool
+
+    def digest(self) -> str:
+        """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
+        return f"masters={sorted(self.master_index)}-in_backward={self.in_backward}"
+
+
+def run(step, options) -> str | None:
+    plan = step.context.get(CONTEXT_KEY)
+    if plan is None:
+        return ("not requested (options master_weights)" if options.master_weights is None
+                else "this compile keeps gradients (a step without opt.step(), or an accumulation micro-step)")
+    update_through_masters(step, plan)
+    updates = plan.harvested.updates
+    step.notes.append(f"{len(plan.master_index)} of {len(updates)} parameters updated on fp32 masters, "
+                      f"{'inside' if plan.in_backward else 'after'} backward")
+    return None
+
+
+def update_through_masters(step, plan: MasterPlan) -> None:
+    graph = step.graph
+    inputs = placeholders_by_dynamo_index(graph)
+    gradients = take_gradient_outputs(step, list(plan.harvested.updates))
+    # Positions of the original nodes, once (as optimizer_in_backward: a slice reads its own parameter only).
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    end = step.output_node.prev
+    for name, update in plan.harvested.updates.items():
+        param = step.param_nodes[name]
+        anchor = last_node_update_must_follow(position, param, gradients[name]) if plan.in_backward else end
+        with graph.inserting_before(anchor.next):  # keeps the emitted order
+            inserted = _emit_update(step, plan, name, update, param, gradients[name], inputs)
+        for node in inserted:
+            node.meta[REGION_KEY] = UPDATE
+        if not plan.in_backward:
+            end = inserted[-1]
+    step.gradient_nodes.clear()
+
+
+def _emit_update(step, plan: MasterPlan, name: str, update, param, gradient, inputs) -> list[torch.fx.Node]:
+    """The update of `param` at the insert point: through its master if it has one."""
+    env = {ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()}
+    env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
+    if name not in plan.master_index:                    # fp32: its own master
+        env.update({update.param: param, update.gradient: gradient})
+        return copy_slice(step, update, env)
+    master = inputs[plan.master_index[name]]
+    gradient32 = step.emit(convert_element_type, gradient, master.meta["val"].dtype)
+    env.update({update.param: master, update.gradient: gradient32})
+    inserted = [gradient32] + copy_slice(step, update, env)    # writes the master and its state
+    rounded = step.emit(convert_element_type, env[update.writes[update.param]], param.meta["val"].dtype)
+    return inserted + [rounded, step.emit(torch.ops.aten.copy_.default, param, rounded)]
