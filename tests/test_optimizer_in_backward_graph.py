@@ -163,3 +163,35 @@ class TestOptimizerInBackwardGraph(TestCase):
  detach_0 = aten.detach(mse_loss_0)
 -return (detach_0, copy_0, copy_1)
 +return (detach_0, None, None)""")
+
+
+class TestMasterWeightsGraph(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+
+    def test_bf16_update_casts_the_gradient_updates_the_master_and_rounds_back(self):
+        """master_weights + optimizer_in_backward: g -> fp32, update the fp32 master, copy it back
+        rounded into the bf16 parameter, right after the gradient is final."""
+        model = nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        diff = fused_graph_diff(model, opt, lambda x, y: F.mse_loss(model(x), y),
+                                torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(4, 2, dtype=torch.bfloat16),
+                                master_weights=torch.float32)
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -14,5 +14,10 @@
+ t_3 = aten.t(t_2)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, t_3)
++convert_element_type_0 = prims.convert_element_type(t_3, torch.float32)
++neg_0 = aten.neg(in3)
++fma_0 = prims.fma(convert_element_type_0, neg_0, in4)
++copy_0 = aten.copy(in4, fma_0)
++copy__0 = aten.copy_(in4, copy_0)
++convert_element_type_1 = prims.convert_element_type(copy_0, torch.bfloat16)
++copy__1 = aten.copy_(in0, convert_element_type_1)
+ detach_0 = aten.detach(mse_loss_0)
+-return (detach_0, copy_0)
++return (detach_0, None)""")
