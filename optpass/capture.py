@@ -250,7 +250,15 @@ def _split_reason(split) -> str:
     optim_dir = f"torch{os.sep}optim{os.sep}"
     if optim_dir in split.reason or any(optim_dir in frame.filename for frame in split.user_stack):
         return OPTIMIZER_SPLIT + " (torch.optim always compiles as a graph of its own)"
-    return split.reason.strip().splitlines()[0]
+    first = split.reason.strip().splitlines()[0]
+    skipped = _SKIPPED_FUNCTION.search(split.reason)
+    if skipped and "marked as skipped" in first:
+        return f"{first}: `{skipped.group(1)}` (Dynamo does not trace it)"
+    return first
+
+
+# Dynamo's explanation of a call it will not trace (torch.amp's GradScaler, some library code)
+_SKIPPED_FUNCTION = re.compile(r"marked that the function `([^`]+)`")
 
 
 def _calling_step_line(split) -> SourceLine | None:

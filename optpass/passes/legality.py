@@ -68,6 +68,14 @@ def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
             message = backward_outside_message(captured).removeprefix("optpass: ")
             raise OptpassError(f"{feature} needs backward() inside the compiled step. {message[0].upper()}{message[1:]}")
         where = f" ({captured.split_line})" if captured.split_line else ""
+        if "GradScaler." in (captured.split_reason or ""):
+            raise OptpassError(
+                f"{feature} needs backward() inside the compiled step, but the step stops before "
+                f"it{where} because of: {captured.split_reason}. The step shape is not the cause: "
+                "torch.amp.GradScaler cannot be traced, and its unscale and inf/nan check need every "
+                "gradient before any update, which a fused update cannot wait for. Train bf16 without "
+                "a scaler (optionally with options master_weights=torch.float32), or drop "
+                f"{feature} to keep fp16 loss scaling.")
         raise OptpassError(
             f"{feature} needs backward() inside the compiled step, but the step stops "
             f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
