@@ -228,13 +228,12 @@ def _scalar_trace_setup(params: list[torch.Tensor], optimizer) -> Iterator[None]
 
 def _untraceable_message(optimizer, error: Exception) -> str:
     """Dynamo's reason and the optimizer's line where its step cannot be one graph."""
-    import traceback
-
     name = type(optimizer).__name__
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/torch/optim/" in f.filename]
-    user_stack = getattr(error, "real_stack", None) or []
-    frames = [f for f in user_stack if "/torch/" not in f.filename or "/torch/optim/" in f.filename] or frames
+    # Dynamo's stack of the traced code (the Python traceback holds only Dynamo's own frames):
+    # the optimizer's frames, torch.optim's or the user's subclass, not torch internals
+    frames = [f for f in getattr(error, "real_stack", None) or []
+              if "/torch/" not in f.filename or "/torch/optim/" in f.filename]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     return (f"optimizer_in_backward: {name}.step() cannot be traced as one graph{where}: Dynamo: "
             f"{reason}. optpass moves the optimizer's own update into the step graph, so it needs "

@@ -65,6 +65,11 @@ def tensorize_scalars(gm: torch.fx.GraphModule, example_inputs: list, roles: dic
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     numbers: set[torch.fx.Node] = set()          # nodes whose value is now a float64 0-d tensor
     kept_inputs, kept_roles = [], {}
+
+    def constant(value, before: torch.fx.Node) -> torch.fx.Node:
+        with graph.inserting_before(before):
+            return graph.call_function(torch.scalar_tensor, (float(value),), {"dtype": torch.float64})
+
     for index, node in enumerate(placeholders):
         role = roles[index]
         if role[0] == "hyper":
@@ -72,18 +77,11 @@ def tensorize_scalars(gm: torch.fx.GraphModule, example_inputs: list, roles: dic
             value = optimizer.param_groups[group]
             for key in path:
                 value = value[key]
-            with graph.inserting_before(first_op):
-                constant = graph.call_function(torch.scalar_tensor, (float(value),),
-                                               {"dtype": torch.float64})
-            node.replace_all_uses_with(constant)
+            node.replace_all_uses_with(constant(value, first_op))
             graph.erase_node(node)
         else:
             kept_roles[len(kept_inputs)] = role
             kept_inputs.append(example_inputs[index])
-
-    def constant(value, before: torch.fx.Node) -> torch.fx.Node:
-        with graph.inserting_before(before):
-            return graph.call_function(torch.scalar_tensor, (float(value),), {"dtype": torch.float64})
 
     def as_tensor_args(node: torch.fx.Node) -> None:
         node.args = tuple(a if isinstance(a, torch.fx.Node) else constant(a, node) for a in node.args)
