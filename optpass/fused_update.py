@@ -329,11 +329,14 @@ class ShardedStep(OptimizerInBackwardStep):
         return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
 
     def _make_plan(self, harvested, lr_index, state_index, param_index):
-        from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan
+        from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
 
+        device = self.sharded.params[0][1].device
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,
-                                    clip_grad_norm=self.options.clip_grad_norm)
+                                    clip_grad_norm=self.options.clip_grad_norm,
+                                    collectives=choose_collectives(self.options.collectives,
+                                                                   self.sharded.pg.backend_for(device)))
 
 
 class MasterWeightsStep(OptimizerInBackwardStep):

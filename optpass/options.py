@@ -71,7 +71,12 @@ OPTIONS: tuple[Option, ...] = (
            "with data_parallel: 'even' (flat buckets split evenly) or 'greedy' (whole parameters, sorted-greedy)",
            choices=("even", "greedy")),
     Option("bucket_bytes", (int,), 25 * 1024 * 1024,
-           "with data_parallel: gradient bucket size in bytes (one reduce-scatter + all-gather per bucket)"),
+           "with data_parallel: gradient bucket size in bytes (one reduce and one gather per bucket)"),
+    Option("collectives", (str,), "auto",
+           "with data_parallel: 'reduce_scatter' (reduce_scatter + all_gather per bucket), 'all_reduce' "
+           "(all_reduce + a broadcast per rank's shard), or 'auto': all_reduce on gloo, reduce_scatter "
+           "on NCCL and other backends",
+           choices=("auto", "reduce_scatter", "all_reduce")),
     Option("dp_materialize", (str,), "auto",
            "DP-SGD (per_sample_grad_norm): 'auto' keeps a Linear weight's [B, out, in] per-sample gradient "
            "where it is no larger than the [B, T, in] + [B, T, out] tensors book-keeping would keep "
@@ -101,6 +106,7 @@ class Options:
     process_group: Any = None
     partition: str = "even"
     bucket_bytes: int = 25 * 1024 * 1024
+    collectives: str = "auto"
     dp_materialize: str = "auto"
     pipeline_parallel_degree: int = 1
     expert_parallel_degree: int = 1
@@ -131,7 +137,8 @@ class Options:
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
-                     self.data_parallel, self.partition, self.bucket_bytes, self.dp_materialize,
+                     self.data_parallel, self.partition, self.bucket_bytes, self.collectives,
+                     self.dp_materialize,
                      str(self.master_weights)))
 
 

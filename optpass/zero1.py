@@ -177,6 +177,13 @@ class ProcessGroupInfo:
     def name(self) -> str:
         return self.group.group_name
 
+    def backend_for(self, device: torch.device) -> str:
+        """The name of the backend ("gloo", "nccl", ...) that runs this group's collectives on `device`."""
+        names = dist.get_backend(self.group)      # "gloo", or "cpu:gloo,cuda:nccl" for several
+        if ":" not in names:
+            return names
+        return dict(item.split(":", 1) for item in names.split(",")).get(device.type, names)
+
     @staticmethod
     def of(group) -> "ProcessGroupInfo":
         if not dist.is_available() or not dist.is_initialized():

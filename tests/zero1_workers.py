@@ -136,11 +136,14 @@ def train_ddp_zero(rank: int, optimizer: str, world: int, case: dict) -> nn.Modu
 
 
 def _collective_positions(graph) -> dict:
-    """How many gradient GEMMs run after the first reduce-scatter (0: all collectives after backward)."""
+    """How many gradient GEMMs run after the first collective (a bucket's reduce) is started, and
+    after the first update waits for its bucket's reduced gradients (the first wait_tensor)."""
     nodes = list(graph.nodes)
-    first = next(i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "").startswith("reduce_scatter"))
-    return {"mm_after_first_reduce_scatter": sum(1 for n in nodes[first:]
-                                                 if getattr(n.target, "__name__", "").startswith("mm"))}
+    names = [getattr(n.target, "__name__", "") for n in nodes]
+    first_reduce = next(i for i, name in enumerate(names) if name.startswith(("reduce_scatter", "all_reduce")))
+    first_wait = names.index("wait_tensor.default")
+    return {"mm_after_first_reduce": sum(1 for name in names[first_reduce:] if name.startswith("mm")),
+            "mm_after_first_update": sum(1 for name in names[first_wait:] if name.startswith("mm"))}
 
 
 def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -153,7 +156,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         opt = make_optimizer(case["optimizer"], param_groups(model))
         options = {"optimizer": opt, "data_parallel": "zero1", "lower": case.get("lower", "eager"),
                    "partition": case["partition"], "optimizer_in_backward": case.get("in_backward", False),
-                   "bucket_bytes": BUCKET_BYTES}
+                   "bucket_bytes": BUCKET_BYTES, "collectives": case.get("collectives", "auto")}
         if case.get("clip") is not None:
             options["clip_grad_norm"] = case["clip"]
         step = torch.compile(make_step(model, opt), backend="optpass", options=options)

@@ -8,30 +8,58 @@ shard optimizer's update harvested from torch.optim (``harvest.py``: one
 "parameter" per bucket, this rank's flat chunk), with its state tensors and
 each group's lr as extra inputs (``fused_update.ShardedStep`` adds them).
 
-Rewrite, per bucket, with the ``_c10d_functional`` ops Inductor knows (facts 7, 15):
+Rewrite, per bucket, in three stages; a functional collective (``_c10d_functional``,
+facts 7, 15) runs in the background from its call until its ``wait_tensor``:
 
-    flat  = cat([view(g, [-1])[segment] ... , zeros(pad)])   # rank-major: chunk r = rank r's piece
-    chunk = wait_tensor(reduce_scatter_tensor(flat, "avg", N, group))     # this rank's averaged gradients
-    shard = cat([view(p, [-1])[segment] for this rank's segments])        # its current parameter values
-    new   = <torch.optim update of (shard, chunk[:owned], state, lr)>     # state: copy_ in place
-    full  = wait_tensor(all_gather_into_tensor(cat([new, zeros(pad)]), N, group))
-    copy_(p, view(cat(full[pieces of p]), p.shape))        # for each parameter of the bucket
+    started  = <reduce>(cat(view(g, [-1]) ...))        # 1. as soon as the bucket's gradients are final
+    chunk    = <wait>(started)                          # 2. this rank's averaged gradients
+    new      = <torch.optim update of (shard, chunk, state, lr)>   # shard: its parameters' values
+    gathered = <gather>(new)
+    full     = <wait>(gathered)                         # 3. after the last read of the old values
+    copy_(p, view(cat(full[pieces of p]), p.shape))     #    for each parameter of the bucket
 
 and every bucketed gradient's output slot becomes None (``p.grad`` stays None,
 the step's ``opt.step()`` does nothing: fact 4).
 
-Placement: without optimizer_in_backward the buckets run after backward, in
-bucket order (ZeroRedundancyOptimizer's semantics, in one graph). With it,
-each bucket runs as soon as its gradients are final and every read of its
-parameters' old values is done (fact 21): during backward, and each gradient
-dies at its bucket's reduce-scatter.
+Collectives (option ``collectives``, a ``CollectivePlan``; "auto" asks
+``choose_collectives`` with the process group's backend for the parameters' device):
 
-Effect: optimizer state is 1/N per rank; per step, reduce-scatter + all-gather
-move exactly DDP's all-reduce volume (even partition; greedy adds padding).
+| plan             | reduce (stage 1 -> 2)                                  | gather (2 -> 3)                      | auto for |
+|------------------|--------------------------------------------------------|--------------------------------------|----------|
+| "reduce_scatter" | ``reduce_scatter_tensor(flat, "avg")``, flat rank-major | ``all_gather_into_tensor(new)``      | NCCL and every backend but gloo |
+|                  | with each chunk padded to the bucket's chunk size      | (padded like the chunk)              |          |
+| "all_reduce"     | ``all_reduce_(flat, "sum")`` in place, unpadded; this  | ``broadcast_`` of each rank's new    | gloo     |
+|                  | rank's chunk is one slice of it, divided by N          | shard from its owner (N calls)       |          |
+
+Why: gloo (2 and 3 ranks, 1 thread each, ``bench/zero1.py --probe``) runs
+reduce_scatter_tensor and all_gather_into_tensor ~2-3x slower than all_reduce and
+broadcast of the same buffer (they are not ring halves of its all-reduce), so
+all_reduce + broadcast moves 1.5x the bytes and is still the fastest; it is also
+DDP + ZeroRedundancyOptimizer's choice. NCCL's reduce-scatter and all-gather are each
+half a ring all-reduce at the same bus bandwidth (nccl-tests), so on NCCL the
+reduce_scatter plan moves 1x DDP's bytes and the all_reduce plan 1.5x: it stays
+the reduce_scatter plan (planned, not measured: no GPU here).
+
+Placement (stage 1 always during backward; ``_stage_points``):
+
+* default: stage 1 right after the bucket's last gradient; stages 2 and 3 after
+  backward, all buckets' stage 2 before any stage 3, so one bucket's gather runs
+  while the next bucket is updated (the update after backward, like
+  ZeroRedundancyOptimizer). The gradients live until stage 2, as they would in ``.grad``.
+* optimizer_in_backward: stage 2 of bucket k where bucket k+1's gradients are final
+  (its reduce runs while backward computes bucket k+1), stage 3 where bucket
+  k+2's are, and never before the last read of bucket k's old parameter values
+  (fact 21); the last ones after backward. Each gradient dies at its bucket's
+  cat, and at most two buckets' collective buffers are alive at once.
+
+Effect: optimizer state is 1/N per rank; the reduce_scatter plan moves exactly DDP's
+all-reduce volume (even partition; greedy adds padding), the all_reduce plan that
+plus one broadcast of the parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -58,10 +86,11 @@ class ShardPlan:
     state_index: dict[tuple[str, str], int]    # (shard name, state key) -> Dynamo input index
     in_backward: bool
     clip_grad_norm: float | None = None        # global-norm clipping of the averaged gradients
+    collectives: str = "reduce_scatter"        # a key of PLANS (choose_collectives resolved "auto")
 
     def digest(self) -> str:
         """What makes this rank's rewritten graph differ from another's (Inductor cache key)."""
-        return f"rank{self.sharded.rank}-{self.sharded.layout.digest()}-{self.in_backward}"
+        return f"rank{self.sharded.rank}-{self.sharded.layout.digest()}-{self.in_backward}-{self.collectives}"
 
 
 def run(step, options) -> str | None:
@@ -77,8 +106,8 @@ def run(step, options) -> str | None:
 def _summary(plan: ShardPlan) -> str:
     sharded, layout = plan.sharded, plan.sharded.layout
     return (f"rank {sharded.rank} of {layout.world}: {len(layout.buckets)} bucket(s), "
-            f"{layout.partition} partition, {layout.collective_elements()} elements per "
-            f"reduce-scatter/all-gather pass, {'during' if plan.in_backward else 'after'} backward")
+            f"{layout.partition} partition, {PLANS[plan.collectives].describe(layout)}, reduce started "
+            f"during backward, update {'during' if plan.in_backward else 'after'} backward")
 
 
 def shard_update(step, plan: ShardPlan) -> None:
@@ -93,31 +122,75 @@ def shard_update(step, plan: ShardPlan) -> None:
             "Set requires_grad=False on unused parameters or leave them out of the optimizer.")
     gradients = take_gradient_outputs(step, [plan.names[i] for b in layout.buckets for i in b.params])
     inputs = placeholders_by_dynamo_index(graph)
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    end = step.output_node.prev
+    collectives = PLANS[plan.collectives](plan.sharded)
+    points = _stage_points(step, plan, gradients)
+    insert = _InsertPoints(step)
+    started: dict[int, object] = {}
     if plan.clip_grad_norm is not None:
-        with graph.inserting_before(end.next):
-            emit = _Emitter(step)
-            _emit_clipped_update(emit, plan, gradients, inputs)
-        for node in emit.nodes:
-            node.meta[REGION_KEY] = UPDATE
+        for bucket in layout.buckets:
+            with insert.after(points[bucket.index][0]) as emit:
+                started[bucket.index] = collectives.start_reduce(emit, bucket, _flat_gradients(emit, plan, bucket, gradients))
+        with insert.after(points[0][1]) as emit:
+            _emit_clipped_update(emit, plan, collectives, started, inputs)
         step.gradient_nodes.clear()
         return
-    for bucket in layout.buckets:
-        names = [plan.names[i] for i in bucket.params]
-        if plan.in_backward:
-            anchor = max((last_node_update_must_follow(position, step.param_nodes[n], gradients[n])
-                          for n in names), key=position.__getitem__)
-        else:
-            anchor = end
-        with graph.inserting_before(anchor.next):   # keeps the emitted order
-            inserted = _Emitter(step)
-            _emit_bucket(inserted, plan, bucket, gradients, inputs)
-        for node in inserted.nodes:
-            node.meta[REGION_KEY] = UPDATE
-        if not plan.in_backward:
-            end = inserted.nodes[-1]
+    # Insert in (place, stage, bucket) order: at one place, every bucket's reduce starts before any
+    # bucket is updated, and every update (so every gather) starts before any gather is waited on.
+    gathering: dict[int, object] = {}
+    work = sorted(((points[b.index][stage], stage, b) for b in layout.buckets for stage in range(3)),
+                  key=lambda item: (insert.position[item[0]], item[1], item[2].index))
+    for place, stage, bucket in work:
+        with insert.after(place) as emit:
+            if stage == 0:
+                started[bucket.index] = collectives.start_reduce(
+                    emit, bucket, _flat_gradients(emit, plan, bucket, gradients))
+            elif stage == 1:
+                chunk = collectives.finish_reduce(emit, bucket, started[bucket.index])
+                new_shard = _emit_shard_update(emit, plan, bucket, chunk, inputs)
+                gathering[bucket.index] = collectives.start_gather(emit, bucket, new_shard)
+            else:
+                _emit_parameter_writes(emit, plan, bucket, collectives.finish_gather(
+                    emit, bucket, gathering[bucket.index]))
     step.gradient_nodes.clear()
+
+
+def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
+    """Per bucket, the nodes after which its stages 1, 2 and 3 go (see the module docstring)."""
+    position = {n: i for i, n in enumerate(step.graph.nodes)}
+    end = step.output_node.prev
+    latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
+    buckets = plan.sharded.layout.buckets
+    ready = [latest([gradients[plan.names[i]] for i in b.params]) for b in buckets]
+    points = {}
+    for k, bucket in enumerate(buckets):
+        if not plan.in_backward:
+            points[bucket.index] = (ready[k], end, end)
+            continue
+        update = latest([ready[k], ready[k + 1] if k + 1 < len(buckets) else end])
+        last_read = latest([last_node_update_must_follow(position, step.param_nodes[plan.names[i]],
+                                                         gradients[plan.names[i]]) for i in bucket.params])
+        write = latest([update, last_read, ready[k + 2] if k + 2 < len(buckets) else end])
+        points[bucket.index] = (ready[k], update, write)
+    return points
+
+
+class _InsertPoints:
+    """Inserts after graph nodes; what goes after one node stays in the order it was inserted."""
+
+    def __init__(self, step):
+        self.step = step
+        self.position = {n: i for i, n in enumerate(step.graph.nodes)}
+        self.last: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    @contextlib.contextmanager
+    def after(self, place: torch.fx.Node):
+        emit = _Emitter(self.step)
+        with self.step.graph.inserting_before(self.last.get(place, place).next):
+            yield emit
+        for node in emit.nodes:
+            node.meta[REGION_KEY] = UPDATE
+        if emit.nodes:
+            self.last[place] = emit.nodes[-1]
 
 
 class _Emitter:
@@ -162,59 +235,51 @@ class _Emitter:
                     device=val.device, pin_memory=False)
 
 
-def _emit_bucket(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict, inputs: dict) -> None:
-    chunk = _emit_reduce_scatter(emit, plan, bucket, gradients)
-    _emit_update_and_gather(emit, plan, bucket, chunk, inputs)
+def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
+    return {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
 
 
-def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, gradients: dict, inputs: dict) -> None:
-    """clip_grad_norm_ on the averaged gradients: every bucket's reduce-scatter first, then one
-    all_reduce of the chunks' squared norms gives the global norm, then the scaled updates."""
+def _emit_shard_update(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: dict) -> torch.fx.Node | None:
+    """torch.optim's update of this rank's shard of the bucket from its averaged gradient chunk;
+    the shard's new value (None: this rank owns nothing of the bucket)."""
+    sharded = plan.sharded
+    if chunk is None:
+        return None
+    shard = emit.joined([(emit.flat(emit.step.param_nodes[plan.names[s.param]]), s.start, s.stop)
+                         for s in bucket.segments[sharded.rank]], like=chunk)
+    return _emit_update(emit, plan, sharded.shard_name(bucket), shard, chunk, inputs)
+
+
+def _emit_parameter_writes(emit: _Emitter, plan: ShardPlan, bucket, gathered: list[tuple]) -> None:
+    """Copy every parameter of the bucket from the gathered chunks: `gathered[r]` is (tensor, offset)
+    where rank r's chunk starts."""
+    shapes = plan.sharded.layout.shapes
+    for i in bucket.params:
+        pieces = [(gathered[r][0], gathered[r][1] + s.offset, gathered[r][1] + s.offset + s.numel)
+                  for r, s in bucket.segments_of(i)]
+        value = emit(aten.view.default, emit.joined(pieces, like=pieces[0][0]), list(shapes[i]))
+        emit(aten.copy_.default, emit.step.param_nodes[plan.names[i]], value)
+
+
+def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, collectives, started: dict, inputs: dict) -> None:
+    """clip_grad_norm_ on the averaged gradients: every bucket's reduce first, then one all_reduce
+    of the chunks' squared norms gives the global norm, then the scaled updates and the gathers."""
     layout, group_name = plan.sharded.layout, plan.sharded.pg.name
-    chunks = [_emit_reduce_scatter(emit, plan, bucket, gradients) for bucket in layout.buckets]
-    local = sum_all(emit, [squared_norm(emit, c) for c in chunks])
+    chunks = [collectives.finish_reduce(emit, bucket, started[bucket.index]) for bucket in layout.buckets]
+    owned = [c for c in chunks if c is not None]
+    if owned:
+        local = sum_all(emit, [squared_norm(emit, c) for c in owned])
+    else:                                      # this rank owns nothing: it adds 0 to the norm
+        p = plan.sharded.params[0][1]
+        local = emit(aten.full.default, [], 0.0, dtype=p.dtype, layout=torch.strided, device=p.device,
+                     pin_memory=False)
     total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
     coef = clip_coefficient(emit, emit(aten.sqrt.default, total), plan.clip_grad_norm)
-    for bucket, chunk in zip(layout.buckets, chunks):
-        _emit_update_and_gather(emit, plan, bucket, emit(aten.mul.Tensor, chunk, coef), inputs)
-
-
-def _emit_reduce_scatter(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> torch.fx.Node:
-    """This rank's chunk of the bucket's gradients, averaged over the ranks."""
-    layout = plan.sharded.layout
-    flat_grad = {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
-    ranges = []
-    for segments in bucket.segments:                        # rank-major: chunk r is rank r's
-        ranges += [(flat_grad[s.param], s.start, s.stop) for s in segments]
-        used = sum(s.numel for s in segments)
-        if used < bucket.chunk:
-            ranges.append((None, 0, bucket.chunk - used))
-    flat = emit.joined(ranges, like=flat_grad[bucket.params[0]])
-    scattered = emit(functional.reduce_scatter_tensor.default, flat, "avg", layout.world, plan.sharded.pg.name)
-    return emit(functional.wait_tensor.default, scattered)
-
-
-def _emit_update_and_gather(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: dict) -> None:
-    """Update this rank's shard from its gradient chunk, all-gather, write every parameter."""
-    sharded, layout = plan.sharded, plan.sharded.layout
-    world, rank, group_name = layout.world, sharded.rank, sharded.pg.name
-    owned = bucket.owned(rank)
-    if owned:
-        shard = emit.joined([(emit.flat(emit.step.param_nodes[plan.names[s.param]]), s.start, s.stop)
-                             for s in bucket.segments[rank]], like=chunk)
-        gradient = emit.piece(chunk, 0, owned)
-        new_shard = _emit_update(emit, plan, sharded.shard_name(bucket), shard, gradient, inputs)
-        mine = new_shard if owned == bucket.chunk else emit.cat([new_shard, emit.zeros(chunk, bucket.chunk - owned)])
-    else:
-        mine = emit.zeros(chunk, bucket.chunk)
-    gathered = emit(functional.wait_tensor.default,
-                    emit(functional.all_gather_into_tensor.default, mine, world, group_name))
-    for i in bucket.params:
-        at = [r * bucket.chunk + s.offset for r, s in bucket.segments_of(i)]
-        parts = emit.joined([(gathered, a, a + s.numel) for a, (_, s) in zip(at, bucket.segments_of(i))],
-                            like=gathered)
-        value = emit(aten.view.default, parts, list(layout.shapes[i]))
-        emit(aten.copy_.default, emit.step.param_nodes[plan.names[i]], value)
+    gathering = [collectives.start_gather(emit, bucket, _emit_shard_update(
+                     emit, plan, bucket, None if chunk is None else emit(aten.mul.Tensor, chunk, coef), inputs))
+                 for bucket, chunk in zip(layout.buckets, chunks)]
+    for bucket, pending in zip(layout.buckets, gathering):
+        _emit_parameter_writes(emit, plan, bucket, collectives.finish_gather(emit, bucket, pending))
 
 
 def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradient, inputs) -> torch.fx.Node:
@@ -227,12 +292,140 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
     return env[update.writes[update.param]]
 
 
+# ---------------------------------------------------------------- collective plans
+
+COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
+
+
+def choose_collectives(requested: str, backend: str) -> str:
+    """The collective plan for a process group backend ("gloo", "nccl", ...): `requested` unless
+    it is "auto"; "auto" is "all_reduce" on gloo and "reduce_scatter" on every other backend."""
+    if requested not in COLLECTIVES:
+        raise OptpassError(f"zero1 collectives must be one of {COLLECTIVES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "all_reduce" if backend == "gloo" else "reduce_scatter"
+
+
+class ReduceScatterPlan:
+    """Per bucket one reduce_scatter_tensor("avg") and one all_gather_into_tensor, each chunk padded
+    to the bucket's chunk size: together DDP's all-reduce volume (NCCL)."""
+
+    def __init__(self, sharded):
+        self.world, self.rank, self.group = sharded.pg.world, sharded.rank, sharded.pg.name
+        self._reduced: dict[int, torch.fx.Node] = {}          # bucket -> this rank's waited chunk
+
+    @staticmethod
+    def describe(layout) -> str:
+        return (f"reduce_scatter + all_gather of {layout.collective_elements()} elements per step "
+                "(each chunk padded to the bucket's chunk size)")
+
+    def start_reduce(self, emit: _Emitter, bucket, flat_grad: dict) -> torch.fx.Node:
+        ranges = []
+        for segments in bucket.segments:                    # rank-major: chunk r is rank r's
+            ranges += [(flat_grad[s.param], s.start, s.stop) for s in segments]
+            used = sum(s.numel for s in segments)
+            if used < bucket.chunk:
+                ranges.append((None, 0, bucket.chunk - used))
+        flat = emit.joined(ranges, like=flat_grad[bucket.params[0]])
+        return emit(functional.reduce_scatter_tensor.default, flat, "avg", self.world, self.group)
+
+    def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
+        """This rank's averaged gradients (its owned elements; None: it owns none)."""
+        chunk = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
+        owned = bucket.owned(self.rank)
+        return emit.piece(chunk, 0, owned) if owned else None
+
+    def start_gather(self, emit: _Emitter, bucket, new_shard: torch.fx.Node | None) -> torch.fx.Node:
+        owned = bucket.owned(self.rank)
+        if new_shard is None:       # a chunk of padding only, reduced to zeros: send it back as is
+            mine = self._reduced[bucket.index]
+        elif owned < bucket.chunk:
+            mine = emit.cat([new_shard, emit.zeros(new_shard, bucket.chunk - owned)])
+        else:
+            mine = new_shard
+        return emit(functional.all_gather_into_tensor.default, mine, self.world, self.group)
+
+    def finish_gather(self, emit: _Emitter, bucket, started: torch.fx.Node) -> list[tuple]:
+        """(tensor, offset) where each rank's chunk starts."""
+        gathered = emit(functional.wait_tensor.default, started)
+        return [(gathered, r * bucket.chunk) for r in range(self.world)]
+
+
+class AllReducePlan:
+    """Per bucket one all_reduce ("sum", in place, no padding) of which this rank keeps its slice,
+    and one broadcast of each rank's updated shard from its owner (gloo)."""
+
+    def __init__(self, sharded):
+        self.world, self.rank, self.group = sharded.pg.world, sharded.rank, sharded.pg.name
+        self._reduced: dict[int, torch.fx.Node] = {}          # bucket -> the waited all-reduce
+
+    @staticmethod
+    def describe(layout) -> str:
+        elements = sum(s.numel for b in layout.buckets for segs in b.segments for s in segs)
+        return (f"all_reduce of {elements} elements + broadcast of each rank's shard "
+                f"({sum(1 for b in layout.buckets for segs in b.segments if segs)} broadcasts) per step")
+
+    @staticmethod
+    def _starts(bucket) -> list[int]:
+        """Where each rank's elements start in the unpadded rank-major bucket."""
+        starts, at = [], 0
+        for rank in range(len(bucket.segments)):
+            starts.append(at)
+            at += bucket.owned(rank)
+        return starts
+
+    def start_reduce(self, emit: _Emitter, bucket, flat_grad: dict) -> torch.fx.Node:
+        flat = emit.joined([(flat_grad[s.param], s.start, s.stop) for segments in bucket.segments
+                            for s in segments], like=flat_grad[bucket.params[0]])
+        if flat.target is not aten.cat.default:   # never mutate a gradient (or a view of one) in place
+            flat = emit(aten.clone.default, flat)
+        return emit(functional.all_reduce_.default, flat, "sum", self.group)
+
+    def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
+        reduced = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
+        owned, start = bucket.owned(self.rank), self._starts(bucket)[self.rank]
+        if not owned:
+            return None
+        return emit(aten.div.Tensor, emit.piece(reduced, start, start + owned), self.world)
+
+    def start_gather(self, emit: _Emitter, bucket, new_shard: torch.fx.Node | None) -> list:
+        starts, started, reduced = self._starts(bucket), [], self._reduced[bucket.index]
+        for rank in range(self.world):
+            owned = bucket.owned(rank)
+            if not owned:
+                continue
+            if rank == self.rank:
+                buffer = new_shard
+            elif new_shard is None and not started:
+                # this rank owns nothing here, so nothing else reads the all-reduce's result: receive
+                # into a slice of it (an out-of-place broadcast), which waits for it before reuse
+                piece = emit.piece(reduced, starts[rank], starts[rank] + owned)
+                started.append((rank, emit(functional.broadcast.default, piece, rank, self.group)))
+                continue
+            else:
+                val = reduced.meta["val"]
+                buffer = emit(aten.empty.memory_format, [owned], dtype=val.dtype, device=val.device,
+                              pin_memory=False)
+            started.append((rank, emit(functional.broadcast_.default, buffer, rank, self.group)))
+        return started
+
+    def finish_gather(self, emit: _Emitter, bucket, started: list) -> list[tuple]:
+        gathered: list = [None] * self.world
+        for rank, node in started:
+            gathered[rank] = (emit(functional.wait_tensor.default, node), 0)
+        return gathered
+
+
+PLANS = {"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan}
+
+
 def collectives_in(graph: torch.fx.Graph) -> dict[str, list[int]]:
     """Count and size a graph's functional collectives: kind -> [count, bytes per rank].
 
     Bytes are the buffer each rank hands in (reduce-scatter) or gets out
-    (all-gather, all-reduce), the figure to compare with DDP's all-reduce buckets."""
-    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
+    (all-gather, all-reduce, broadcast), the figure to compare with DDP's all-reduce buckets."""
+    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0], "broadcast": [0, 0]}
     for node in graph.nodes:
         name = getattr(node.target, "__name__", "")
         for kind, counts in found.items():
