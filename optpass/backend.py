@@ -87,7 +87,9 @@ def _lower(gm, example_inputs, context, *, captured, options):
     # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
     key = repr((options.digest(), captured.roles_digest(),
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
-    return lowering.lower_inductor(gm, example_inputs, rewrite, key)
+    # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
+    patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
+    return lowering.lower_inductor(gm, example_inputs, rewrite, key, patches)
 
 
 def explaining_backend(gm, example_inputs, options=None):

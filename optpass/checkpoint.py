@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
-from optpass.zero1 import DEFAULT_BUCKET_BYTES, ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
+from optpass.zero1 import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
 
@@ -107,7 +107,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                             process_group=None, partition: str = "even",
-                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                            bucket_bytes: int | None = None) -> None:
     """Load a checkpoint saved by save_sharded_checkpoint, on any number of ranks; call on every rank.
 
     Call it before (or between) steps of a step compiled with the same

@@ -128,12 +128,12 @@ class OptpassPostGradPass(CustomGraphPass):
         return (_source_hash().hex(), self.key, user)
 
 
-def lower_inductor(gm, example_inputs, rewrite_fn, key: str):
+def lower_inductor(gm, example_inputs, rewrite_fn, key: str, config_patches: dict | None = None):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     graph_pass = OptpassPostGradPass(rewrite_fn, key, inductor_config.post_grad_custom_pre_pass)
-    patches = {"post_grad_custom_pre_pass": graph_pass}
+    patches = {**(config_patches or {}), "post_grad_custom_pre_pass": graph_pass}
     if _all_on_cpu(example_inputs):
         # Inductor's own CPU random kernels are ~5x slower than aten's generator (measured:
         # randn_like over 3.1M elements, 180 ms vs 33 ms); DP-SGD's noise makes that most of a

@@ -70,13 +70,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("partition", (str,), "even",
            "with data_parallel: 'even' (flat buckets split evenly) or 'greedy' (whole parameters, sorted-greedy)",
            choices=("even", "greedy")),
-    Option("bucket_bytes", (int,), 25 * 1024 * 1024,
-           "with data_parallel: gradient bucket size in bytes (one reduce and one gather per bucket)"),
+    Option("bucket_bytes", (type(None), int), None,
+           "with data_parallel: most bytes of gradients per bucket (one reduce and one gather per bucket); "
+           "None: DDP's 25 MiB, lowered to a quarter of the parameters' bytes for a smaller model, so the "
+           "first buckets' collectives run during backward"),
     Option("collectives", (str,), "auto",
            "with data_parallel: 'reduce_scatter' (reduce_scatter + all_gather per bucket), 'all_reduce' "
            "(all_reduce + a broadcast per rank's shard), or 'auto': all_reduce on gloo, reduce_scatter "
-           "on NCCL and other backends",
-           choices=("auto", "reduce_scatter", "all_reduce")),
+           "on NCCL and other backends"),
     Option("dp_materialize", (str,), "auto",
            "DP-SGD (per_sample_grad_norm): 'auto' keeps a Linear weight's [B, out, in] per-sample gradient "
            "where it is no larger than the [B, T, in] + [B, T, out] tensors book-keeping would keep "
@@ -105,7 +106,7 @@ class Options:
     data_parallel: str | None = None
     process_group: Any = None
     partition: str = "even"
-    bucket_bytes: int = 25 * 1024 * 1024
+    bucket_bytes: int | None = None
     collectives: str = "auto"
     dp_materialize: str = "auto"
     pipeline_parallel_degree: int = 1
@@ -179,8 +180,13 @@ def _check_combinations(options: Options) -> None:
                 "clip_grad_norm with data_parallel='zero1' and optimizer_in_backward is not supported: "
                 "the global norm needs every bucket's averaged gradients before any update, which "
                 "undoes the in-backward placement. Use one of the two with clip_grad_norm.")
-        if options.bucket_bytes < 1:
+        if options.bucket_bytes is not None and options.bucket_bytes < 1:
             raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
+        from optpass.passes.shard_optimizer import PLANS
+
+        if options.collectives not in ("auto", *PLANS):
+            raise OptpassError(f"optpass option 'collectives' must be one of "
+                               f"{', '.join(map(repr, ('auto', *PLANS)))}, got {options.collectives!r}")
     if options.master_weights is not None:
         _check_master_weights(options)
     if options.accumulation_steps < 1:

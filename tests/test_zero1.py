@@ -19,7 +19,11 @@ CASES = [
      {"optimizer": "SGD", "partition": "greedy", "in_backward": False, "scheduler": True,
       "changing_batch": True},
      {"optimizer": "AdamW", "partition": "even", "in_backward": False, "clip": 0.05},
-     {"optimizer": "AdamW", "partition": "greedy", "in_backward": True, "changing_batch": True}]
+     {"optimizer": "AdamW", "partition": "greedy", "in_backward": True, "changing_batch": True},
+     # the plan "auto" does not pick on gloo (NCCL's), asked for explicitly; the first in Inductor
+     {"optimizer": "AdamW", "partition": "even", "in_backward": False, "lower": "inductor",
+      "collectives": "reduce_scatter"},
+     {"optimizer": "SGD", "partition": "greedy", "in_backward": True, "collectives": "reduce_scatter"}]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -31,7 +35,8 @@ def trained(request):
 def _label(case) -> str:
     return (f"{case['optimizer']}/{case['partition']}/{'in-backward' if case['in_backward'] else 'after-backward'}"
             f"/{case.get('lower', 'eager')}{'/StepLR' if case.get('scheduler') else ''}"
-            f"{'/clip' if case.get('clip') else ''}{'/changing-batch' if case.get('changing_batch') else ''}")
+            f"{'/clip' if case.get('clip') else ''}{'/changing-batch' if case.get('changing_batch') else ''}"
+            f"/{case.get('requested_collectives', case.get('collectives', 'auto'))}")
 
 
 def test_parameters_equal_single_process_and_ddp_zero_redundancy_optimizer(trained):
@@ -78,28 +83,55 @@ def test_optimizer_state_per_rank_is_one_nth_within_one_bucket(trained):
         assert total == per_rank[0][case_index]["unsharded_state_bytes"]
 
 
+def test_collectives_auto_is_all_reduce_on_gloo_and_an_explicit_plan_is_kept(trained):
+    _, per_rank = trained
+    for result in per_rank[0]:
+        requested = result["requested_collectives"]
+        assert result["plan"] == ("all_reduce" if requested == "auto" else requested), _label(result)
+
+
 def test_collective_bytes_equal_ddp_all_reduce(trained):
-    """Even partition: reduce-scatter in + all-gather out = the parameters' bytes, like DDP's
-    all-reduce (ring: reduce-scatter + all-gather of the same buffer), up to < N elements of
-    padding per bucket; one of each per bucket."""
+    """reduce_scatter plan, even partition: reduce-scatter in + all-gather out = the parameters'
+    bytes, like DDP's all-reduce (ring: reduce-scatter + all-gather of the same buffer), up to < N
+    elements of padding per bucket; one of each per bucket. all_reduce plan: one all-reduce of
+    exactly the gradients' bytes (DDP's) per bucket, and the parameters' bytes once more in one
+    broadcast per rank that owns elements of the bucket."""
     world, per_rank = trained
     for result in per_rank[0]:
         found = result["collectives"]
-        # clip_grad_norm: one all-reduce of a scalar (the squared norm); otherwise none
-        assert found["all_reduce"][0] == (1 if result.get("clip") else 0)
-        assert found["reduce_scatter"][0] == found["all_gather"][0] == result["buckets"] > 1
-        assert found["reduce_scatter"][1] == found["all_gather"][1]
-        padding = found["reduce_scatter"][1] - result["param_bytes"]
-        assert padding == result["ddp_bucket_padding_elements"] * 8
-        if result["partition"] == "even":
-            assert 0 <= padding < world * result["buckets"] * 8, _label(result)
+        clip = 1 if result.get("clip") else 0      # clip_grad_norm: one all-reduce of a scalar
+        if result["plan"] == "reduce_scatter":
+            assert found["all_reduce"][0] == clip and found["broadcast"][0] == 0
+            assert found["reduce_scatter"][0] == found["all_gather"][0] == result["buckets"] > 1
+            assert found["reduce_scatter"][1] == found["all_gather"][1]
+            padding = found["reduce_scatter"][1] - result["param_bytes"]
+            assert padding == result["ddp_bucket_padding_elements"] * 8
+            if result["partition"] == "even":
+                assert 0 <= padding < world * result["buckets"] * 8, _label(result)
+        else:
+            assert found["reduce_scatter"][0] == found["all_gather"][0] == 0
+            assert found["all_reduce"][0] == result["buckets"] + clip > 1
+            assert found["all_reduce"][1] == result["param_bytes"] + clip * 8, _label(result)
+            assert found["broadcast"][0] == result["owners_per_bucket"], _label(result)
+            assert found["broadcast"][1] == result["param_bytes"], _label(result)
 
 
-def test_in_backward_issues_each_bucket_during_backward(trained):
+def test_reduce_starts_during_backward_and_the_update_waits_in_or_after_backward(trained):
+    """Every bucket's reduce starts as soon as its gradients are final (backward GEMMs follow
+    the first one); the first update (the first wait_tensor) comes after every backward GEMM,
+    or, with optimizer_in_backward, before some. The Inductor cases check Inductor's own
+    schedule (its generated code) too: its reordering must not move the collectives."""
     _, per_rank = trained
     for result in per_rank[0]:
-        if result["in_backward"]:
-            assert result["mm_after_first_reduce_scatter"] > 0, _label(result)
-        else:
-            assert result["mm_after_first_reduce_scatter"] == 0, _label(result)
+        for where in ("graph", "inductor"):
+            positions = result["positions"].get(where)
+            if positions is None:
+                continue
+            assert positions["mm_after_first_reduce"] > 0, (where, _label(result))
+            if result["in_backward"]:
+                assert positions["mm_after_first_update"] > 0, (where, _label(result))
+            else:
+                assert positions["mm_after_first_update"] == 0, (where, _label(result))
+        if result.get("lower") == "inductor":
+            assert result["positions"]["inductor"] is not None, _label(result)
         assert any("bucket(s)" in note for note in result["notes"])

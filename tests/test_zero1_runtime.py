@@ -108,10 +108,13 @@ def test_zero1_without_torch_distributed_is_a_clear_error():
 
 
 class TestShardOptimizerGraph(TestCase):
-    def test_graph_diff_reduce_scatter_shard_update_all_gather_per_bucket(self):
-        """Rank 0 of 2: per bucket the gradients are cut into rank-major chunks, reduce-scattered
-        ("avg"), rank 0's chunk updated by SGD's own momentum update, all-gathered and copied
-        into the parameters; the gradient outputs become None."""
+    def test_graph_diff_all_reduce_shard_update_broadcast_per_bucket(self):
+        """Rank 0 of 2, gloo (collectives "auto": the all_reduce plan): the bucket's gradients,
+        concatenated rank-major without padding, are all-reduced in place as soon as the last
+        one is final; after backward rank 0 waits, takes its chunk (/ 2), updates it with SGD's own
+        momentum update and broadcasts it, receives rank 1's chunk by broadcast, and copies both
+        into the parameters (the first weight is cut between the ranks); the gradient outputs
+        become None."""
         diff = values(run_ranks(2, workers.rewritten_graph_diff))[0]
         self.assertExpectedInline(diff, """\
 --- before

@@ -8,6 +8,7 @@ whole batch, and against DDP + ZeroRedundancyOptimizer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -135,15 +136,49 @@ def train_ddp_zero(rank: int, optimizer: str, world: int, case: dict) -> nn.Modu
     return model
 
 
-def _collective_positions(graph) -> dict:
+def _plan_in(collectives: dict) -> str | None:
+    """Which collective plan the rewritten graph holds."""
+    if collectives["reduce_scatter"][0]:
+        return "reduce_scatter"
+    return "all_reduce" if collectives["broadcast"][0] else None
+
+
+def _positions(ops: list[str], is_mm, is_reduce, is_wait) -> dict:
     """How many gradient GEMMs run after the first collective (a bucket's reduce) is started, and
-    after the first update waits for its bucket's reduced gradients (the first wait_tensor)."""
-    nodes = list(graph.nodes)
-    names = [getattr(n.target, "__name__", "") for n in nodes]
-    first_reduce = next(i for i, name in enumerate(names) if name.startswith(("reduce_scatter", "all_reduce")))
-    first_wait = names.index("wait_tensor.default")
-    return {"mm_after_first_reduce": sum(1 for name in names[first_reduce:] if name.startswith("mm")),
-            "mm_after_first_update": sum(1 for name in names[first_wait:] if name.startswith("mm"))}
+    after the first update waits for its bucket's reduced gradients (the first wait)."""
+    first_reduce = next(i for i, op in enumerate(ops) if is_reduce(op))
+    first_wait = next(i for i, op in enumerate(ops) if is_wait(op))
+    return {"mm_after_first_reduce": sum(map(is_mm, ops[first_reduce:])),
+            "mm_after_first_update": sum(map(is_mm, ops[first_wait:]))}
+
+
+def _graph_positions(graph) -> dict:
+    ops = [getattr(n.target, "__name__", "") for n in graph.nodes]
+    return _positions(ops, lambda op: op.startswith("mm"),
+                      lambda op: op.startswith(("reduce_scatter", "all_reduce")), lambda op: op.startswith("wait_tensor"))
+
+
+def _inductor_positions(codes: list[str]) -> dict | None:
+    """The same count in the code Inductor generated for the sharded step (its own schedule)."""
+    code = next((c for c in codes if "_c10d_functional" in c), None)
+    if code is None:
+        return None
+    lines = code[code.index("def call("):].splitlines()
+    return _positions(lines, lambda line: "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line,
+                      lambda line: "_c10d_functional.all_reduce" in line or "reduce_scatter_tensor" in line,
+                      lambda line: "wait_tensor" in line)
+
+
+@contextlib.contextmanager
+def inductor_code(codes: list[str]):
+    """Collect the code Inductor generates meanwhile (what torch._inductor.utils.run_and_get_code
+    does, without its dynamo reset)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        yield
 
 
 def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -162,7 +197,8 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         step = torch.compile(make_step(model, opt), backend="optpass", options=options)
         lr_schedule = scheduler(opt, case)
         optpass.report.clear_reports()
-        with optpass.keep_graphs():
+        codes: list[str] = []
+        with optpass.keep_graphs(), inductor_code(codes):
             for i in range(STEPS):
                 step(*local(global_batch(i, world, case), rank, world))
                 assert all(p.grad is None for p in model.parameters())
@@ -194,8 +230,12 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
             "buckets": len(sharded.layout.buckets),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "collectives": collectives_in(report.graph_after),
+            "requested_collectives": case.get("collectives", "auto"),      # "collectives": what ran
+            "plan": _plan_in(collectives_in(report.graph_after)),
+            "owners_per_bucket": sum(1 for b in sharded.layout.buckets for r in range(world) if b.owned(r)),
             "ddp_bucket_padding_elements": sharded.layout.collective_elements() - sum(p.numel() for p in model.parameters()),
-            **_collective_positions(report.graph_after),
+            "positions": {"graph": _graph_positions(report.graph_after),
+                          **({"inductor": _inductor_positions(codes)} if case.get("lower") == "inductor" else {})},
             "notes": [n for o in report.passes for n in o.notes],
             # the first compile of the step, which ran at step 1, already holds the sharded update
             "first_step_fused": any(p.name == "shard_optimizer" and p.status == "applied"

@@ -58,7 +58,7 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
     # bf16/fp16 parameters: torch.optim's update on fp32 masters, rounded into the parameters (opt-in).
     GraphPass("master_weights", master_weights.run, applies_to=(GraphKind.STEP,), changes_numerics=True),
-    # ZeRO-1: reduce-scatter, this rank's shard update, all-gather, in the graph (opt-in).
+    # ZeRO-1: per bucket a reduce during backward, this rank's shard update, a gather, in the graph (opt-in).
     GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,)),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
     GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,

@@ -92,6 +92,19 @@ class ShardPlan:
         """What makes this rank's rewritten graph differ from another's (Inductor cache key)."""
         return f"rank{self.sharded.rank}-{self.sharded.layout.digest()}-{self.in_backward}-{self.collectives}"
 
+    @property
+    def inductor_config(self) -> dict:
+        """Inductor keeps the order this pass emits (seen in its generated code, torch 2.13, CPU):
+
+        * ``reorder_for_locality`` (on for graphs without a backward graph of their own, like
+          the step graph) runs before the post-grad passes and moves each gradient computation
+          next to its user, the gradient output at the graph's end: every bucket's gradients
+          would be final only after all of backward, and no collective could start during it;
+        * ``reorder_for_peak_memory`` moves each bucket's wait and update right after its
+          reduce starts (that frees the bucket soonest), so the step waits for every collective
+          as soon as it starts."""
+        return {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+
 
 def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
@@ -294,15 +307,12 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
 
 # ---------------------------------------------------------------- collective plans
 
-COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
-
-
 def choose_collectives(requested: str, backend: str) -> str:
-    """The collective plan for a process group backend ("gloo", "nccl", ...): `requested` unless
-    it is "auto"; "auto" is "all_reduce" on gloo and "reduce_scatter" on every other backend."""
-    if requested not in COLLECTIVES:
-        raise OptpassError(f"zero1 collectives must be one of {COLLECTIVES}, got {requested!r}")
+    """The collective plan (a key of PLANS) for a process group backend ("gloo", "nccl", ...):
+    `requested` unless it is "auto"; "auto" is "all_reduce" on gloo, "reduce_scatter" elsewhere."""
     if requested != "auto":
+        if requested not in PLANS:
+            raise OptpassError(f"zero1 collectives must be 'auto' or one of {sorted(PLANS)}, got {requested!r}")
         return requested
     return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
@@ -417,6 +427,9 @@ class AllReducePlan:
         return gathered
 
 
+# A plan: describe(layout), start_reduce / finish_reduce ("reduce this bucket, give me my
+# chunk"), start_gather / finish_gather ("gather these chunks"). bench/zero1.py adds one without
+# communication, to time the step without it.
 PLANS = {"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan}
 
 
