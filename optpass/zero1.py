@@ -48,11 +48,12 @@ from optpass.errors import OptpassError
 
 PARTITIONS = ("even", "greedy")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
-# bucket_bytes=None: at least this many buckets. A bucket's reduce starts when its last gradient is
-# final, so the last bucket's reduce and every update follow backward: with K buckets about 1/K of
-# the reduction is left after backward (measured, bench/zero1.py on gloo, 8.4M parameters: 2
-# buckets of <= 25 MiB 0.99x DDP's step time, 4 buckets 0.80x, 8 buckets 0.86x).
+# bucket_bytes=None: at least MIN_BUCKETS buckets, none below DDP's first bucket (1 MiB). A bucket's
+# reduce starts when its last gradient is final, so the last bucket's reduce and every update follow
+# backward: with K buckets about 1/K of the reduction is left after backward; every bucket costs a
+# few more collective calls (~0.5 ms each on gloo).
 MIN_BUCKETS = 4
+MIN_BUCKET_BYTES = 1024 * 1024
 
 
 
@@ -114,11 +115,12 @@ def trainable_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
 
 
 def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: int | None) -> int:
-    """`bucket_bytes`, or for None: DDP's 25 MiB, or less so that there are MIN_BUCKETS buckets."""
+    """`bucket_bytes`, or for None: DDP's 25 MiB, or less so that there are MIN_BUCKETS buckets
+    of at least MIN_BUCKET_BYTES."""
     if bucket_bytes is not None:
         return bucket_bytes
     total = sum(p.numel() * p.element_size() for _, p in params)
-    return max(1, min(DEFAULT_BUCKET_BYTES, math.ceil(total / MIN_BUCKETS)))
+    return min(DEFAULT_BUCKET_BYTES, max(MIN_BUCKET_BYTES, math.ceil(total / MIN_BUCKETS)))
 
 
 def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: str,

@@ -81,6 +81,8 @@ def test_a_gradient_transform_before_the_update_is_refused_with_its_line():
     ({"data_parallel": "zero1"}, "needs the optimizer"),
     ({"data_parallel": "zero2"}, "must be one of"),
     ({"data_parallel": "zero1", "partition": "random"}, "must be one of"),
+    ({"data_parallel": "zero1", "collectives": "ring"}, "'collectives' must be one of 'auto', 'reduce_scatter'"),
+    ({"data_parallel": "zero1", "bucket_bytes": 0}, "bucket_bytes must be >= 1"),
 ])
 def test_bad_data_parallel_options_are_errors(options, match):
     import torch
@@ -93,6 +95,37 @@ def test_bad_data_parallel_options_are_errors(options, match):
         options = {"optimizer": opt, **options}
     with pytest.raises(optpass.OptpassError, match=match):
         optpass.options.Options.from_user(options)
+
+
+@pytest.mark.parametrize("requested, backend, plan", [
+    ("auto", "gloo", "all_reduce"),               # gloo: all_reduce + broadcast beat reduce_scatter + all_gather
+    ("auto", "nccl", "reduce_scatter"),           # NCCL: reduce_scatter + all_gather move half the bytes
+    ("auto", "xccl", "reduce_scatter"),
+    ("reduce_scatter", "gloo", "reduce_scatter"),  # an explicit plan is kept on any backend
+    ("all_reduce", "nccl", "all_reduce"),
+])
+def test_collective_plan_is_chosen_by_the_backend(requested, backend, plan):
+    from optpass.passes.shard_optimizer import choose_collectives
+
+    assert choose_collectives(requested, backend) == plan
+
+
+@pytest.mark.parametrize("backends, device, backend", [
+    ("gloo", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+])
+def test_the_backend_is_the_process_groups_for_the_parameters_device(backends, device, backend):
+    import optpass.zero1
+
+    assert optpass.zero1.backend_for_device(backends, device) == backend
+
+
+def test_a_process_group_without_a_backend_for_the_parameters_device_is_an_error():
+    import optpass
+    import optpass.zero1
+
+    with pytest.raises(optpass.OptpassError, match="no backend for cuda tensors"):
+        optpass.zero1.backend_for_device("cpu:gloo", "cuda")
 
 
 def test_zero1_without_torch_distributed_is_a_clear_error():
