@@ -753,11 +753,14 @@ Data-parallel training usually means `DistributedDataParallel`: every rank holds
 the whole model, the whole gradient and the **whole optimizer state** (AdamW: two
 numbers per parameter), and all-reduces the gradients every step.
 
-ZeRO-1 keeps each rank's optimizer state to **1/N**: gradients are averaged by a
-*reduce-scatter* (each rank receives the averaged gradients of its shard only),
-each rank updates its shard with its shard of the optimizer state, and an
-*all-gather* brings every rank the updated parameters. Reduce-scatter plus
-all-gather move the same bytes as one (ring) all-reduce.
+ZeRO-1 keeps each rank's optimizer state to **1/N**: the gradients are averaged
+across the ranks, each rank updates its shard of the parameters with its shard of
+the optimizer state, and every rank then gets the updated parameters. optpass picks
+the collectives by what is fast on the process group's backend: on NCCL a
+*reduce-scatter* (each rank receives the averaged gradients of its shard only) and
+an *all-gather* (together the bytes of one ring all-reduce); on gloo, whose
+reduce-scatter and all-gather are slow, an *all-reduce* of which each rank keeps
+its shard and one *broadcast* of each rank's updated shard.
 
 With optpass you keep the **single-device training step** and your ordinary
 `torch.optim` optimizer; `options={"data_parallel": "zero1"}` inserts the
@@ -816,11 +819,12 @@ print("shard_optimizer:", ranks[0]["notes"])
 
 The compiled step graph before and after the `shard_optimizer` pass (rank 0,
 the steady graph; the first step already ran a sharded graph of the same shape,
-which also created the shard's AdamW state). Per bucket: the gradients are flattened into one buffer,
-`reduce_scatter_tensor(..., "avg", 2, ...)` gives this rank its averaged chunk,
-AdamW's own update (harvested from torch.optim) runs on the chunk and the
-shard's state, `all_gather_into_tensor` collects the updated chunks and `copy_`
-writes them into the parameters. The gradient outputs become `None`, so
+which also created the shard's AdamW state). Per bucket (gloo): the gradients are flattened into one
+buffer, which `all_reduce_(..., "sum", ...)` starts summing across the ranks as soon as the bucket's
+last gradient is computed, while backward goes on; after backward `wait_tensor` waits for it and this
+rank takes its chunk (divided by 2), AdamW's own update (harvested from torch.optim) runs on the
+chunk and the shard's state, one `broadcast_` per rank sends each rank's updated chunk to the
+others, and `copy_` writes the chunks into the parameters. The gradient outputs become `None`, so
 `opt.step()` in the step has nothing left to do.
 """),
     code("""
@@ -829,7 +833,7 @@ collectives = [line for line in diff.splitlines() if line.startswith("+") and "_
 print("\\n".join(collectives))
 print(f"\\n{len(diff.splitlines())} diff lines in all; the first bucket in full:\\n")
 lines = diff.splitlines()
-gather = next(i for i, line in enumerate(lines) if "all_gather" in line)
+gather = next(i for i, line in enumerate(lines) if "broadcast" in line or "all_gather" in line)
 end = next(i for i, line in enumerate(lines) if i > gather and "aten.copy_(" in line)
 print("\\n".join(lines[:end + 1]))
 """),
@@ -879,10 +883,11 @@ assert worst < 1e-4
 
 * `options={"optimizer": opt, "data_parallel": "zero1"}` turns a single-device step
   into data-parallel ZeRO-1: no DDP wrapper, no special optimizer class.
-* The collectives are functional collectives inside the compiled graph
-  (one reduce-scatter and one all-gather per bucket), moving DDP's all-reduce
-  volume; each rank keeps 1/N of the optimizer state.
-* `optimizer_in_backward=True` as well issues each bucket during backward;
+* The collectives are functional collectives inside the compiled graph, chosen
+  per backend (gloo: an all-reduce per bucket, started during backward, and a
+  broadcast per rank's shard; NCCL: a reduce-scatter and an all-gather per bucket,
+  DDP's all-reduce volume); each rank keeps 1/N of the optimizer state.
+* `optimizer_in_backward=True` as well runs each bucket's update during backward;
   `optpass.save_sharded_checkpoint` / `load_sharded_checkpoint` save the shards
   with torch.distributed.checkpoint and resume on any number of ranks.
 """),
