@@ -21,8 +21,8 @@ facts 7, 15) runs in the background from its call until its ``wait_tensor``:
 and every bucketed gradient's output slot becomes None (``p.grad`` stays None,
 the step's ``opt.step()`` does nothing: fact 4).
 
-Collectives (option ``collectives``, a ``CollectivePlan``; "auto" asks
-``choose_collectives`` with the process group's backend for the parameters' device):
+Collectives (option ``collectives``, a key of ``PLANS``; "auto" asks ``choose_collectives``
+with the process group's backend for the parameters' device):
 
 | plan             | reduce (stage 1 -> 2)                                  | gather (2 -> 3)                      | auto for |
 |------------------|--------------------------------------------------------|--------------------------------------|----------|
@@ -31,16 +31,18 @@ Collectives (option ``collectives``, a ``CollectivePlan``; "auto" asks
 | "all_reduce"     | ``all_reduce_(flat, "sum")`` in place, unpadded; this  | ``broadcast_`` of each rank's new    | gloo     |
 |                  | rank's chunk is one slice of it, divided by N          | shard from its owner (N calls)       |          |
 
-Why: gloo (2 and 3 ranks, 1 thread each, ``bench/zero1.py --probe``) runs
-reduce_scatter_tensor and all_gather_into_tensor ~2-3x slower than all_reduce and
-broadcast of the same buffer (they are not ring halves of its all-reduce), so
-all_reduce + broadcast moves 1.5x the bytes and is still the fastest; it is also
-DDP + ZeroRedundancyOptimizer's choice. NCCL's reduce-scatter and all-gather are each
-half a ring all-reduce at the same bus bandwidth (nccl-tests), so on NCCL the
-reduce_scatter plan moves 1x DDP's bytes and the all_reduce plan 1.5x: it stays
-the reduce_scatter plan (planned, not measured: no GPU here).
+Why: on gloo (2 and 3 ranks, 1 thread each; ``bench/zero1.py`` times each plan's
+collectives alone on its layout) reduce_scatter_tensor + all_gather_into_tensor take
+1.5-1.6x the time of all_reduce + a broadcast per owner (and more in noisier runs),
+although the latter moves 1.5x the bytes: gloo's reduce-scatter and all-gather are
+not the halves of its ring all-reduce. DDP + ZeroRedundancyOptimizer does the same
+on gloo. NCCL's reduce-scatter and all-gather each run at its all-reduce's bus
+bandwidth (nccl-tests), so there the reduce_scatter plan (1x DDP's bytes) beats the
+all_reduce plan (1.5x): planned from that cost model, not measured (no GPU here).
+Both plans use the same layout and shards, so checkpoints do not depend on the plan.
 
-Placement (stage 1 always during backward; ``_stage_points``):
+Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it, see
+``ShardPlan.inductor_config``):
 
 * default: stage 1 right after the bucket's last gradient; stages 2 and 3 after
   backward, all buckets' stage 2 before any stage 3, so one bucket's gather runs
@@ -51,6 +53,9 @@ Placement (stage 1 always during backward; ``_stage_points``):
   k+2's are, and never before the last read of bucket k's old parameter values
   (fact 21); the last ones after backward. Each gradient dies at its bucket's
   cat, and at most two buckets' collective buffers are alive at once.
+* clip_grad_norm (not with optimizer_in_backward): stage 1 as by default; after backward
+  every bucket's stage 2 waits first, one all_reduce of the chunks' squared norms
+  gives the global norm, then the scaled updates, the gathers and the writes.
 
 Effect: optimizer state is 1/N per rank; the reduce_scatter plan moves exactly DDP's
 all-reduce volume (even partition; greedy adds padding), the all_reduce plan that
@@ -388,9 +393,7 @@ class AllReducePlan:
     def start_reduce(self, emit: _Emitter, bucket, flat_grad: dict) -> torch.fx.Node:
         flat = emit.joined([(flat_grad[s.param], s.start, s.stop) for segments in bucket.segments
                             for s in segments], like=flat_grad[bucket.params[0]])
-        if flat.target is not aten.cat.default:   # never mutate a gradient (or a view of one) in place
-            flat = emit(aten.clone.default, flat)
-        return emit(functional.all_reduce_.default, flat, "sum", self.group)
+        return emit(functional.all_reduce_.default, _own(emit, flat), "sum", self.group)
 
     def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
         reduced = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
@@ -406,7 +409,7 @@ class AllReducePlan:
             if not owned:
                 continue
             if rank == self.rank:
-                buffer = new_shard
+                buffer = _own(emit, new_shard)
             elif new_shard is None and not started:
                 # this rank owns nothing here, so nothing else reads the all-reduce's result: receive
                 # into a slice of it (an out-of-place broadcast), which waits for it before reuse
@@ -431,6 +434,16 @@ class AllReducePlan:
 # chunk"), start_gather / finish_gather ("gather these chunks"). bench/zero1.py adds one without
 # communication, to time the step without it.
 PLANS = {"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan}
+
+
+def _own(emit: _Emitter, value: torch.fx.Node) -> torch.fx.Node:
+    """`value`, or a copy of it if it aliases another tensor (a view, an in-place op's result, an
+    input): an in-place collective must write only into a tensor of its own (a bucket of one
+    parameter is a view of its gradient)."""
+    target = value.target
+    aliases = not isinstance(target, torch._ops.OpOverload) or any(
+        r.alias_info is not None for r in target._schema.returns)
+    return emit(aten.clone.default, value) if value.op != "call_function" or aliases else value
 
 
 def collectives_in(graph: torch.fx.Graph) -> dict[str, list[int]]:
