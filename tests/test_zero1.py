@@ -21,15 +21,17 @@ CASES = [
      {"optimizer": "AdamW", "partition": "even", "in_backward": False, "clip": 0.05},
      {"optimizer": "AdamW", "partition": "greedy", "in_backward": True, "changing_batch": True},
      # the plan "auto" does not pick on gloo (NCCL's), asked for explicitly; the first in Inductor
+     # (its schedule with the update after backward), on 2 ranks only to save a compile
      {"optimizer": "AdamW", "partition": "even", "in_backward": False, "lower": "inductor",
-      "collectives": "reduce_scatter"},
+      "collectives": "reduce_scatter", "worlds": (2,)},
      {"optimizer": "SGD", "partition": "greedy", "in_backward": True, "collectives": "reduce_scatter"}]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
 def trained(request):
     world = request.param
-    return world, values(run_ranks(world, workers.equivalence, CASES, timeout_s=600))
+    cases = [case for case in CASES if world in case.get("worlds", (world,))]
+    return world, values(run_ranks(world, workers.equivalence, cases, timeout_s=600))
 
 
 def _label(case) -> str:
@@ -78,7 +80,7 @@ def test_optimizer_state_per_rank_is_one_nth_within_one_bucket(trained):
             bound = result["unsharded_state_bytes"] / world + result["bucket_state_bytes"]
             assert result["state_bytes"] <= bound, (_label(result), result)
     # and the ranks together hold exactly the unsharded state (no replication)
-    for case_index in range(len(CASES)):
+    for case_index in range(len(per_rank[0])):
         total = sum(results[case_index]["state_bytes"] for results in per_rank)
         assert total == per_rank[0][case_index]["unsharded_state_bytes"]
 
