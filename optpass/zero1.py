@@ -7,16 +7,18 @@ module holds what does not live in a graph:
 * **layout** — the optimizer's trainable parameters in buckets (reverse
   parameter order, like DDP: the last layers' gradients are final first; a
   bucket never spans two param groups or dtypes, and holds up to
-  ``bucket_bytes``). Each bucket is split over the N ranks by one of two
+  ``bucket_bytes``; None: DDP's 25 MiB, at most a quarter of the model, at least
+  1 MiB, see ``MIN_BUCKETS``). Each bucket is split over the N ranks by one of two
   partitions:
 
   - ``"even"`` (default, DeepSpeed's): the bucket's flat concatenation, padded to
     a multiple of N, in N equal chunks; a parameter may be split across ranks.
-    Collective bytes equal DDP's all-reduce; needs an elementwise optimizer
+    reduce_scatter + all_gather bytes equal DDP's all-reduce; needs an elementwise optimizer
     (every torch.optim optimizer but Adafactor/LBFGS/SparseAdam).
   - ``"greedy"`` (ZeroRedundancyOptimizer's sorted-greedy): whole parameters,
     largest first, each to the rank with the least state so far; a rank's chunk
-    is padded to the bucket's largest, so collectives may carry padding.
+    is padded to the bucket's largest, so reduce_scatter + all_gather may carry
+    padding (the all_reduce plan sends none).
 
 * **sharded state** — a torch.optim optimizer of the user's class and
   hyper-parameters whose parameters are this rank's chunks (one flat tensor per
@@ -51,7 +53,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
 # bucket_bytes=None: at least MIN_BUCKETS buckets, none below DDP's first bucket (1 MiB). A bucket's
 # reduce starts when its last gradient is final, so the last bucket's reduce and every update follow
 # backward: with K buckets about 1/K of the reduction is left after backward; every bucket costs a
-# few more collective calls (~0.5 ms each on gloo).
+# few more collective calls (~0.6 ms each on gloo, 2 ranks: bench/zero1.py --quick).
 MIN_BUCKETS = 4
 MIN_BUCKET_BYTES = 1024 * 1024
 

@@ -33,8 +33,8 @@ with the process group's backend for the parameters' device):
 
 Why: on gloo (2 and 3 ranks, 1 thread each; ``bench/zero1.py`` times each plan's
 collectives alone on its layout) reduce_scatter_tensor + all_gather_into_tensor take
-1.5-1.6x the time of all_reduce + a broadcast per owner (and more in noisier runs),
-although the latter moves 1.5x the bytes: gloo's reduce-scatter and all-gather are
+1.4x the time of all_reduce + a broadcast per owner on an idle machine (1.0-1.6x on a
+loaded one), although the latter moves 1.5x the bytes: gloo's reduce-scatter and all-gather are
 not the halves of its ring all-reduce. DDP + ZeroRedundancyOptimizer does the same
 on gloo. NCCL's reduce-scatter and all-gather each run at its all-reduce's bus
 bandwidth (nccl-tests), so there the reduce_scatter plan (1x DDP's bytes) beats the
