@@ -44,9 +44,10 @@ The reduction runs in fp32 (``_in_reduction_dtype``), as Megatron's
 ``grad_reduce_in_fp32``: gloo and NCCL reduce bf16/fp16 too, but a half-precision
 sum rounds to 8 (bf16) or 11 (fp16) bits at every addition, and an fp16 sum can
 overflow where the average would not. Measured on the tests' MLP against the
-Megatron-way reference (fp32 average): reducing in the half dtype put parameters
-up to 27 ulps and masters up to 5.7e-4 (relative) off after one step from the same
-state (2-3 ranks, AdamW/SGD, bf16/fp16), against 0-1 ulp and 8e-7 for fp32.
+Megatron-way reference (fp32 average; bench/zero1_master_weights_reduction.py):
+reducing in the half dtype put parameters up to 27 ulps and masters up to 5.7e-4
+(relative) off after one step from the same state (2-3 ranks, AdamW/SGD,
+bf16/fp16), against 0-1 ulp and 8e-7 for fp32.
 The price: the reduce-scatter carries 4 bytes per element instead of 2, so a step
 moves 6 bytes per parameter (fp32 in, bf16 out): 1.5x DDP's bf16 all-reduce,
 0.75x an fp32 one. The all-gather carries the rounded parameters
