@@ -284,6 +284,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
+        if not self._stale_masters:              # every step asks: usually nothing to do
+            return
         for bucket in self.layout.buckets:
             if bucket.index in self._stale_masters and self.has_master(bucket):
                 shard = self.shards[bucket.index]
