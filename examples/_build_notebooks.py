@@ -1050,8 +1050,10 @@ print("state:  ", {i: {k: v.dtype for k, v in s.items()} for i, s in entry["stat
   parameter (fp32 parameters are updated as they are).
 * With `optimizer_in_backward=True` each master is updated as soon as its gradient is
   final; without it, after backward. Either way no step keeps an fp32 copy of the gradients.
-* Not yet (issue 13): with `data_parallel="zero1"`, fp16 with a `GradScaler`, and
-  `clip_grad_norm`; optpass refuses them with an error that says so.
+* With `data_parallel="zero1"` each rank keeps only its shard of the fp32 masters and
+  of the state (README, "With ZeRO-1: masters sharded").
+* Not yet (issue 13): fp16 with a `GradScaler`, and `clip_grad_norm`; optpass refuses
+  them with an error that says so.
 """),
 ]
 

@@ -41,9 +41,11 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
     # ZeRO-1: prove the step hands over raw gradients, then run it through the callable that
-    # updates this rank's shard (eagerly the first time, in the graph afterwards).
+    # updates this rank's shard in the graph (with master_weights: its fp32 master shard).
     if options.data_parallel == "zero1" and captured.kind is not GraphKind.OTHER:
         check_zero1(captured, options)
+        if options.master_weights is not None:
+            check_master_weights(captured, options)
         if options.optimizer_in_backward:
             check_optimizer_in_backward(captured, options)
         if captured.kind is GraphKind.STEP:
@@ -112,14 +114,15 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_master_weights(captured, options)
-            master_state(options.optimizer, options.master_weights)
+            if options.data_parallel is None:     # zero1 keeps its masters sharded, made by its step
+                master_state(options.optimizer, options.master_weights)
             verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "
                                       "gradient transform before opt.step()"), True
         except OptpassError as error:
             verdict = f"master_weights refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
     in_backward_legal = (report.legality or "").startswith("optimizer_in_backward is legal")
-    if options.master_weights is not None:
+    if options.master_weights is not None and options.data_parallel is None:
         fused_class = MasterWeightsStep
         fuse = masters_legal and (in_backward_legal if options.optimizer_in_backward
                                   else ends_at_optimizer_step(captured))

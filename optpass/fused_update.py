@@ -276,6 +276,8 @@ class ShardedStep(OptimizerInBackwardStep):
     shard optimizer's (``zero1.py``): from the first update on, the ``shard_optimizer``
     pass puts reduce-scatter, shard update and all-gather into the step graph (the
     shard optimizer's state is created 1/N-sized, as torch.optim's first step would).
+    With master_weights the fp32 master shards are extra inputs of the fused graph,
+    like the state, and the graph updates them in place.
     """
 
     feature = "data_parallel='zero1'"
@@ -285,7 +287,7 @@ class ShardedStep(OptimizerInBackwardStep):
 
         names_by_id = {id(p.tensor): p.name for p in captured.params}
         self.sharded = sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                                         options.bucket_bytes, names_by_id)
+                                         options.bucket_bytes, names_by_id, options.master_weights)
         super().__init__(gm, captured, options, plain, compile_fn)
         self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
         missing = [f"#{i}" if name is None else name for i, name in self.names.items()
@@ -298,6 +300,7 @@ class ShardedStep(OptimizerInBackwardStep):
                 "them out of the optimizer.")
 
     def __call__(self, *args):
+        self.sharded.refresh_masters()       # a checkpoint without masters was loaded
         try:
             return super().__call__(*args)
         except OptpassError:
@@ -328,12 +331,17 @@ class ShardedStep(OptimizerInBackwardStep):
     def _lr(self, group: int):
         return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
 
+    def _separate_params(self, names):
+        """The fp32 master shards (master_weights): they persist, so they are inputs of the graph."""
+        buckets = {self.sharded.shard_name(b): b for b in self.sharded.layout.buckets}
+        return [name for name in names if self.sharded.has_master(buckets[name])]
+
     def _make_plan(self, harvested, lr_index, state_index, param_index):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan
 
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,
-                                    clip_grad_norm=self.options.clip_grad_norm)
+                                    clip_grad_norm=self.options.clip_grad_norm, master_index=param_index)
 
 
 class MasterWeightsStep(OptimizerInBackwardStep):

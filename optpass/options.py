@@ -56,7 +56,8 @@ OPTIONS: tuple[Option, ...] = (
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
     Option("master_weights", (type(None), "dtype"), None,
            "torch.float32: keep an fp32 master copy of every bf16/fp16 parameter; torch.optim's own update "
-           "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter"),
+           "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter; "
+           "with data_parallel='zero1' each rank keeps only the masters of its shard"),
     Option("accumulation_steps", (int,), 1,
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
     Option("clip_grad_norm", (type(None), float, int), None,
@@ -174,6 +175,7 @@ def _check_combinations(options: Options) -> None:
                 "undoes the in-backward placement. Use one of the two with clip_grad_norm.")
         if options.bucket_bytes < 1:
             raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
+        _require_pass(options, "shard_optimizer", "data_parallel='zero1'")
     if options.master_weights is not None:
         _check_master_weights(options)
     if options.accumulation_steps < 1:
@@ -194,22 +196,23 @@ def _check_master_weights(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("master_weights needs the optimizer whose update runs on the masters: "
                            "options={'optimizer': opt, 'master_weights': torch.float32}")
-    if options.data_parallel is not None:
-        raise OptpassError(
-            f"master_weights with data_parallel={options.data_parallel!r} is not supported yet "
-            f"({MASTER_WEIGHTS_ISSUE}, part 2: masters sharded with the optimizer state). Train "
-            "data-parallel without master_weights, or with master_weights on one rank.")
     if options.clip_grad_norm is not None:
         raise OptpassError(
             f"clip_grad_norm with master_weights is not supported yet ({MASTER_WEIGHTS_ISSUE}: clipping "
             "by the global fp32 norm). Without optimizer_in_backward you can call "
             "torch.nn.utils.clip_grad_norm_ in the step (it clips the half-precision gradients); "
             "with it, drop clip_grad_norm or master_weights.")
-    selected = options.passes if options.passes is not None else ("master_weights",)
-    if "master_weights" not in selected or "master_weights" in options.disable_passes:
+    if options.data_parallel is None:        # with zero1, shard_optimizer updates the master shards
+        _require_pass(options, "master_weights", "master_weights")
+
+
+def _require_pass(options: Options, name: str, feature: str) -> None:
+    """The pass that applies every update: without it the step's gradients would be dropped."""
+    selected = options.passes if options.passes is not None else (name,)
+    if name not in selected or name in options.disable_passes:
         raise OptpassError(
-            "master_weights needs the pass master_weights (it applies every update, and the step hands "
-            "optpass its gradients); do not leave it out with options 'passes' / 'disable_passes'.")
+            f"{feature} needs the pass {name} (it applies every update, and the step hands optpass its "
+            "gradients); do not leave it out with options 'passes' / 'disable_passes'.")
 
 
 def _check_pass_names(options: Options) -> None:

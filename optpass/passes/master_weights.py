@@ -28,9 +28,12 @@ the masters rounded. ``p.grad`` is None after the step and the step's
 half-precision gradient dies at its update, and no fp32 gradient buffer exists
 (one fp32 gradient at a time).
 
+With ``data_parallel="zero1"`` this pass is skipped: each rank keeps only its
+shard of the masters, and ``shard_optimizer`` updates them (see its docstring).
+
 Refuses (``options.py``, ``legality.py``): a master dtype other than float32, no
-optimizer, data_parallel, clip_grad_norm, a GradScaler in the step (issue 13,
-later parts), an optimizer over parameters none of which is bf16/fp16.
+optimizer, clip_grad_norm, a GradScaler in the step (issue 13, later parts), an
+optimizer over parameters none of which is bf16/fp16.
 
     before:                                   after (optimizer_in_backward):
       g1 = mm(t(dy), x1)          # bf16        g1 = mm(t(dy), x1)
@@ -76,8 +79,11 @@ class MasterPlan:
 def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
     if plan is None:
-        return ("not requested (options master_weights)" if options.master_weights is None
-                else "this compile keeps gradients (a step without opt.step(), or an accumulation micro-step)")
+        if options.master_weights is None:
+            return "not requested (options master_weights)"
+        if options.data_parallel is not None:
+            return "data_parallel='zero1': shard_optimizer updates this rank's fp32 master shards"
+        return "this compile keeps gradients (a step without opt.step(), or an accumulation micro-step)"
     update_through_masters(step, plan)
     updates = plan.harvested.updates
     step.notes.append(f"{len(plan.master_index)} of {len(updates)} parameters updated on fp32 masters, "
