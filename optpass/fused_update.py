@@ -63,6 +63,10 @@ class UpdatePlan:
     lr_index: dict[int, int]                  # param group -> Dynamo input index
     state_index: dict[tuple[str, str], int]   # (parameter, state key) -> Dynamo input index
 
+    def digest(self) -> str:
+        """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
+        return self.harvested.digest()
+
 
 @dataclasses.dataclass
 class _FusedGraph:

@@ -70,7 +70,7 @@ class MasterPlan:
 
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
-        return f"masters={sorted(self.master_index)}-in_backward={self.in_backward}"
+        return f"{self.harvested.digest()}-masters={sorted(self.master_index)}-in_backward={self.in_backward}"
 
 
 def run(step, options) -> str | None:
