@@ -112,8 +112,11 @@ def _emit_update(step, plan: MasterPlan, name: str, update, param, gradient, inp
         env.update({update.param: param, update.gradient: gradient})
         return copy_slice(step, update, env)
     master = inputs[plan.master_index[name]]
-    gradient32 = step.emit(convert_element_type, gradient, master.meta["val"].dtype)
-    env.update({update.param: master, update.gradient: gradient32})
-    inserted = [gradient32] + copy_slice(step, update, env)    # writes the master and its state
+    inserted = []
+    if gradient.meta["val"].dtype != master.meta["val"].dtype:     # fp32 already after unscaling / clipping
+        gradient = step.emit(convert_element_type, gradient, master.meta["val"].dtype)
+        inserted.append(gradient)
+    env.update({update.param: master, update.gradient: gradient})
+    inserted += copy_slice(step, update, env)                  # writes the master and its state
     rounded = step.emit(convert_element_type, env[update.writes[update.param]], param.meta["val"].dtype)
-    return inserted + [rounded, step.emit(torch.ops.aten.copy_.default, param, rounded)]
+    return inserted + [rounded, step.write_update(param, rounded)]

@@ -49,6 +49,9 @@ def run(step, options) -> str | None:
         return "not requested (options optimizer_in_backward)" if not options.optimizer_in_backward \
             else "this compile keeps gradients (first step or accumulation micro-step)"
     splice_updates(step, plan)
+    if not plan.in_backward:
+        step.notes.append(f"{len(plan.harvested.updates)} updates after backward, in the step graph "
+                          "(grad_scaler: skipped on inf/nan)")
     return None
 
 
@@ -60,15 +63,19 @@ def splice_updates(step, plan) -> None:
     # Positions of the original nodes, once: every node an update must follow is one of them
     # (a slice reads only its own parameter), so later insertions do not change the answer.
     position = {n: i for i, n in enumerate(graph.nodes)}
+    end = step.output_node.prev
     for name, update in plan.harvested.updates.items():
         env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
         env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
         env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
-        anchor = last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
+        anchor = (last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
+                  if plan.in_backward else end)
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = copy_slice(step, update, env)
         for node in inserted:
             node.meta[REGION_KEY] = UPDATE
+        if not plan.in_backward:
+            end = inserted[-1]
     step.gradient_nodes.clear()
 
 
@@ -157,5 +164,5 @@ def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Nod
     for target, value in update.writes.items():
         if target is update.param and not write_param:
             continue
-        inserted.append(step.emit(torch.ops.aten.copy_.default, env[target], env[value]))
+        inserted.append(step.write_update(env[target], env[value]))
     return inserted
