@@ -36,9 +36,9 @@ class ScaledMegatronReference(MegatronReference):
     into fp32 main gradients, scaler.unscale_ of those, [clip], scaler.step (skipped on inf/nan),
     scaler.update, main parameters copied back."""
 
-    def __init__(self, model, make_optimizer, update="eager", clip=None):
+    def __init__(self, model, make_optimizer, update="eager", clip=None, scaling=True):
         super().__init__(model, make_optimizer, update)
-        self.scaler = torch.amp.GradScaler("cpu", **SCALER)
+        self.scaler = torch.amp.GradScaler("cpu", enabled=scaling, **SCALER)     # disabled: a no-op
         self.clip = clip
         self.opt.step = self.update                  # what scaler.step(opt) calls
 
@@ -246,6 +246,74 @@ def test_sgd_first_step_skipped_creates_no_momentum():
         reference.step(x, y)
         step(x, y)
         assert len(store.master_optimizer.state) == len(reference.opt.state), i
+    assert param_ulps(model, reference) == 0 and master_diff(opt, reference) == 0
+
+
+# ------------------------------------------------------------------ clip_grad_norm with master weights
+
+@pytest.mark.parametrize("scaling", [False, True], ids=["masters", "masters+scaler"])
+def test_clip_grad_norm_clips_the_fp32_master_gradients(scaling):
+    """options clip_grad_norm with master_weights clips by the global norm of the fp32 gradients
+    (Megatron's main gradients), after unscaling and the inf/nan check with a scaler (Megatron's
+    order), after backward and inside it (the norm from the check-only first backward). Against the
+    reference's clip_grad_norm_ over the fp32 master gradients, one step at a time from the same
+    state: the norm is summed in another order (sqrt of the sum of squares, not a norm of norms), so
+    within one fp16 ulp and 1e-5 of the masters; the clip is active at every step (max norm 0.05)."""
+    torch.manual_seed(0)
+    start = MLP(SIZES).to(torch.float16)
+    runs = []
+    for in_backward in (False, True):
+        model = copy.deepcopy(start)
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        scaler = torch.amp.GradScaler("cpu", enabled=scaling, **SCALER)
+        reference = ScaledMegatronReference(copy.deepcopy(start), OPTIMIZERS["adamw"], update="compiled",
+                                            clip=0.05, scaling=scaling)
+        runs.append((model, opt, scaler, reference, compiled(model, opt, scaler, clip_grad_norm=0.05,
+                                                             optimizer_in_backward=in_backward)))
+    for i in range(INF_STEP - 3, INF_STEP + 3):
+        x, y = data(i) if scaling else mlp_data(i, torch.float16)
+        for model, opt, scaler, reference, step in runs:
+            if i > INF_STEP - 3:
+                reference.start_from(model, opt, scaler)
+            expected = reference.step(x, y).item()
+            assert same(step(x, y).item(), expected), i
+            assert param_ulps(model, reference) <= 1 and master_diff(opt, reference) <= 1e-5, i
+            if scaling:
+                assert scaler_state(scaler) == scaler_state(reference.scaler), i
+    applied = [p for r in optpass.recent_reports() for p in r.passes if p.name == "clip_grad_norm_in_backward"]
+    assert applied and all(p.status == "applied" for p in applied)
+
+
+def test_clip_grad_norm_in_the_step_with_master_weights_matches_eager():
+    """A user-written clip_grad_norm_ in the step (no in-backward, no scaler) clips the fp16 gradients the
+    step computes, before the fused update casts them for the masters: bitwise the eager Megatron-way
+    step with the same clip_grad_norm_ call before the gradients are cast (20 steps)."""
+    torch.manual_seed(0)
+    start = MLP(SIZES).to(torch.float16)
+
+    class Reference(MegatronReference):
+        def step(self, x, y):
+            loss = mlp_loss(self.model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.05)     # the step's own line
+            for p, master in zip(self.model.parameters(), self.masters):
+                master.grad = p.grad.float()
+                p.grad = None
+            self.update()
+            self.opt.zero_grad()
+            with torch.no_grad():
+                for p, master in zip(self.model.parameters(), self.masters):
+                    p.copy_(master)
+            return loss.detach()
+
+    reference = Reference(copy.deepcopy(start), OPTIMIZERS["sgd"], update="compiled")
+    model = copy.deepcopy(start)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    step = torch.compile(make_step(model, opt, mlp_loss, clip=0.05), backend="optpass", options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32})
+    for i in range(STEPS):
+        x, y = mlp_data(i, torch.float16)
+        assert step(x, y).item() == reference.step(x, y).item(), i
     assert param_ulps(model, reference) == 0 and master_diff(opt, reference) == 0
 
 
