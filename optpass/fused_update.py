@@ -22,6 +22,13 @@ few gradients at once — the whole run's peak is the fused step's:
   ``load_state_dict`` of another shape of state, a param group added with
   ``add_param_group`` — harvests and compiles again (usually twice a run at most).
 
+With a ``grad_scaler`` the graph also gets the scaler's tensors (scale, growth
+tracker, optpass's skip flag and count: ``grad_scaler.py``), its loss is
+multiplied by the scale (``loss_scaling.scale_loss``), and the update is fused
+even without optimizer_in_backward (after backward: a skipped step must skip it
+in the same graph). State a skipped first update created is not stored: eager
+GradScaler skips ``opt.step()`` entirely.
+
 Either way the fused parameters' gradient outputs are ``None``: ``p.grad`` is
 None after the step and the ``opt.step()`` in the step has nothing to do
 (fact 4). State lives in ``opt.state`` as always, read afresh at every call, so

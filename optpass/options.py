@@ -70,9 +70,9 @@ OPTIONS: tuple[Option, ...] = (
            "with the scale, gradients unscaled in fp32, the whole update skipped on inf/nan, the scale backed "
            "off or grown); the scale and growth tracker stay in the scaler"),
     Option("clip_grad_norm", (type(None), float, int), None,
-           "exact global-norm clipping to this max norm, of the fp32 gradients with master_weights (after "
-           "unscaling with grad_scaler); with optimizer_in_backward one extra backward, with data_parallel one "
-           "all-reduce of a scalar"),
+           "exact global-norm clipping to this max norm, for a fused update: with optimizer_in_backward one "
+           "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
+           "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order)"),
     Option("data_parallel", (type(None), str), None,
            "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph",
            choices=(None, "zero1")),

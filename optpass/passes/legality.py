@@ -24,6 +24,11 @@ Refuses, with the user's source line, why, and what to do instead:
 * a step whose backward ran outside the graph (it cannot be proved on a step it
   could not see, fact 19).
 
+``check_grad_scaler`` (options grad_scaler) proves, on the same labels, that the
+step hands ``opt.step()`` its raw gradients (code between backward and the update
+would see scaled ones) and refuses fp16 parameters without master_weights, micro-steps
+without ``opt.step()`` and a GradScaler called in the step (naming the option instead).
+
     step graph                                   labels
       g0, g1 = autograd.grad(loss, [w0, w1])     g0:{w0}  g1:{w1}
       n = stack([norm(g0), norm(g1)]).norm()     n:{w0,w1}   <- clip_grad_norm_ (user line)

@@ -17,7 +17,7 @@ Rewrite, before the updates are spliced in (the pass runs first):
     inv_scale = convert(reciprocal(convert(scale, f64)), f32)    # GradScaler's inv_scale
     u_i = convert(g_i, f32) * inv_scale        # each fused gradient, right after it is final
                                                # (back to its dtype when it has no fp32 master)
-    found_inf = any(isinf(g_i) | isnan(g_i)) or ...   # the scaled gradients, as unscale_ checks them
+    found_inf = any(not |g_i| < inf) or ...     # the scaled gradients, as unscale_ checks them
     <every update write: copy_(t, where(found_inf, t, new))>    # StepGraph.write_update
     scale', tracker' = _amp_update_scale(scale, tracker, found_inf, growth, backoff, interval)
     copy_(scale, scale'); copy_(tracker, tracker'); copy_(skipped, found_inf); count += found_inf
@@ -44,7 +44,7 @@ gradients), a gradient transform or a GradScaler call in the step.
     before:                                   after (after backward, SGD on fp16 + masters):
       loss = mse_loss(...); l = mul(loss, s)    (the same)
       g0 = mm(t(dy), x0)                        g0 = mm(t(dy), x0); u0 = convert(g0, f32) * inv_scale
-      return (loss, g0)                         f0 = any(isinf(g0) | isnan(g0)); ...
+      return (loss, g0)                         f0 = any(not |g0| < inf); ...
                                                 copy_(m0, where(f0, m0, m0 - lr * u0)); copy_(w0, where(...))
                                                 copy_(s, _amp_update_scale(s, tracker, f0, ...)[0]) ...
 """
@@ -162,9 +162,10 @@ def _unscale(emit, gradient: torch.fx.Node, inv_scale: torch.fx.Node, fp32: bool
 
 
 def non_finite(emit, gradient: torch.fx.Node) -> torch.fx.Node:
-    """A 0-d bool: does `gradient` hold an inf or a nan."""
-    return emit(aten.any.default, emit(aten.logical_or.default, emit(aten.isinf.default, gradient),
-                                       emit(aten.isnan.default, gradient)))
+    """A 0-d bool: does `gradient` hold an inf or a nan. Spelled as torch's isfinite decomposes
+    (|g| < inf is false for ±inf and nan): Inductor's CPU code for isinf | isnan was 7x slower."""
+    finite = emit(aten.lt.Scalar, emit(aten.abs.default, gradient), float("inf"))
+    return emit(aten.any.default, emit(aten.logical_not.default, finite))
 
 
 def _first_op(graph: torch.fx.Graph) -> torch.fx.Node:

@@ -28,9 +28,13 @@ the masters rounded. ``p.grad`` is None after the step and the step's
 half-precision gradient dies at its update, and no fp32 gradient buffer exists
 (one fp32 gradient at a time).
 
+A gradient that arrives in fp32 already (unscaled by loss_scaling, or cast for
+clip_grad_norm, which clips the fp32 gradients) is not cast again; every write
+goes through ``StepGraph.write_update`` (skipped on inf/nan with a grad_scaler).
+
 Refuses (``options.py``, ``legality.py``): a master dtype other than float32, no
-optimizer, data_parallel, clip_grad_norm, a GradScaler in the step (issue 13,
-later parts), an optimizer over parameters none of which is bf16/fp16.
+optimizer, data_parallel (issue 13, part 2), a GradScaler called in the step (the
+``grad_scaler`` option is the way), an optimizer over parameters none of which is bf16/fp16.
 
     before:                                   after (optimizer_in_backward):
       g1 = mm(t(dy), x1)          # bf16        g1 = mm(t(dy), x1)

@@ -15,6 +15,11 @@ and every read of ``p``'s old value, views included (fact 21). The slice
 ends with in-place ``copy_`` writes into ``p`` and its state; ``p``'s gradient
 output slot becomes ``None``.
 
+With a grad_scaler and no optimizer_in_backward (``UpdatePlan.in_backward`` False)
+the same slices are placed after backward, at the end of the step graph, one
+after the other: a skipped step (inf/nan) must skip the update in the graph that
+finds the inf (``loss_scaling.py``).
+
 Effect: the gradient's last use is its update, so it dies there: at most a few
 gradients are live at a time instead of all of them; ``p.grad`` is None after
 the step and ``opt.step()`` has nothing to do (fact 4).
