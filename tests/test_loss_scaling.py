@@ -249,6 +249,20 @@ def test_sgd_first_step_skipped_creates_no_momentum():
     assert param_ulps(model, reference) == 0 and master_diff(opt, reference) == 0
 
 
+def test_explain_shows_the_scaling_and_trains_nothing():
+    model = MLP(SIZES).to(torch.float16)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    before = [p.detach().clone() for p in model.parameters()]
+    text = str(optpass.explain(make_step(model, opt, mlp_loss), *data(0), options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler,
+        "optimizer_in_backward": True}))
+    assert "grad_scaler is legal" in text and "pass loss_scaling: applied" in text
+    assert "4 gradients unscaled into fp32; the update is skipped on inf/nan (checked in a first backward)" in text
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert scaler_state(scaler) == (SCALER["init_scale"], 0) and optpass.skipped_steps(scaler) == 0
+
+
 # ------------------------------------------------------------------ clip_grad_norm with master weights
 
 @pytest.mark.parametrize("scaling", [False, True], ids=["masters", "masters+scaler"])
@@ -261,13 +275,13 @@ def test_clip_grad_norm_clips_the_fp32_master_gradients(scaling):
     within one fp16 ulp and 1e-5 of the masters; the clip is active at every step (max norm 0.05)."""
     torch.manual_seed(0)
     start = MLP(SIZES).to(torch.float16)
+    optpass.report.clear_reports()
     runs = []
     for in_backward in (False, True):
         model = copy.deepcopy(start)
         opt = OPTIMIZERS["adamw"](model.parameters())
         scaler = torch.amp.GradScaler("cpu", enabled=scaling, **SCALER)
-        reference = ScaledMegatronReference(copy.deepcopy(start), OPTIMIZERS["adamw"], update="compiled",
-                                            clip=0.05, scaling=scaling)
+        reference = ScaledMegatronReference(copy.deepcopy(start), OPTIMIZERS["adamw"], clip=0.05, scaling=scaling)
         runs.append((model, opt, scaler, reference, compiled(model, opt, scaler, clip_grad_norm=0.05,
                                                              optimizer_in_backward=in_backward)))
     for i in range(INF_STEP - 3, INF_STEP + 3):

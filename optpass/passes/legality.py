@@ -98,9 +98,8 @@ def check_grad_scaler(captured: CapturedGraph, options) -> None:
     """grad_scaler: the update runs in the step graph on unscaled gradients and is skipped on inf/nan.
     Prove the step hands opt.step() its raw gradients: code between backward() and opt.step() would
     see scaled gradients (eager GradScaler users call scaler.unscale_(opt) before it)."""
-    half = sorted({str(p.dtype) for g in options.optimizer.param_groups for p in g["params"]
-                   if p.dtype == torch.float16})
-    if half and options.master_weights is None:
+    fp16 = any(p.dtype == torch.float16 for g in options.optimizer.param_groups for p in g["params"])
+    if fp16 and options.master_weights is None:
         raise OptpassError(
             "grad_scaler with float16 parameters needs master_weights=torch.float32: GradScaler does not "
             "unscale fp16 gradients (eagerly it raises 'Attempting to unscale FP16 gradients'), since the "
