@@ -88,9 +88,12 @@ class ShardPlan:
     #                                            index of its fp32 master (master_weights)
 
     def digest(self) -> str:
-        """What makes this rank's rewritten graph differ from another's (Inductor cache key)."""
+        """What makes this rank's rewritten graph differ from another's (Inductor cache key): also the
+        harvested update, since the first step (which creates SGD's momentum buffers) and the later
+        ones (which read them) rewrite the same step graph differently."""
+        update = self.harvested.digest() if self.harvested is not None else "no-shard"
         return (f"rank{self.sharded.rank}-{self.sharded.layout.digest()}-{self.in_backward}"
-                f"-masters={sorted(self.master_index)}")
+                f"-masters={sorted(self.master_index)}-{update}")
 
 
 def run(step, options) -> str | None:
