@@ -10,6 +10,7 @@ the 3-rank group trains its parity cases and resumes the 2-rank checkpoint on 3 
 from __future__ import annotations
 
 import pytest
+import torch
 from expecttest import TestCase
 
 import zero1_master_weights_workers as workers
@@ -140,7 +141,8 @@ def test_an_fp32_model_is_refused(ranks):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"clip_grad_norm": 1.0}, "clip_grad_norm with master_weights is not supported yet"),
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm with master_weights and data_parallel=.zero1. is not supported yet"),
+    ({"grad_scaler": torch.amp.GradScaler("cpu")}, "grad_scaler with data_parallel=.zero1. is not supported yet"),
     ({"disable_passes": ["shard_optimizer"]}, "needs the pass shard_optimizer"),
     ({"passes": ["master_weights"]}, "needs the pass shard_optimizer"),
 ])
