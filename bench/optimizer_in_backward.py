@@ -26,6 +26,12 @@ Variants, each named ``KIND/OPTIMIZER`` (``eager/adamw``, ``optpass/sgd``, ...):
   "optimizer_in_backward": True})``, Inductor lowering;
 * ``optpass-clip`` (only with ``--variants``) -- optpass with ``clip_grad_norm=1.0``:
   what exact global-norm clipping (a norm-only backward first) costs;
+* ``optpass-scaler`` (only with ``--variants``) -- optpass with ``grad_scaler`` (a
+  torch.amp.GradScaler; fp32 parameters, so only the scaling's own cost shows): the inf/nan
+  check of every gradient before any update, i.e. one extra, check-only backward;
+* ``optpass-scaler-after`` (only with ``--variants``) -- ``grad_scaler`` without
+  ``optimizer_in_backward``: the update after backward (every gradient alive), the
+  alternative to paying the extra backward;
 * ``optpass-eager`` (only with ``--variants``) -- optpass with ``lower="eager"``: the
   rewritten aten graph run as is, for telling Inductor's part from the pass's.
 
@@ -88,6 +94,7 @@ Usage::
     python3 bench/optimizer_in_backward.py --quick          # smoke run: 4 x 1024^2
     python3 bench/optimizer_in_backward.py --optimizers adamw --variants eager,inductor,optpass,optpass-eager
     python3 bench/optimizer_in_backward.py --variants optpass,optpass-clip   # cost of clip_grad_norm
+    python3 bench/optimizer_in_backward.py --variants optpass,optpass-scaler,optpass-scaler-after  # grad_scaler
     python3 bench/optimizer_in_backward.py --json out.json
 
 The parent never imports torch.
@@ -108,7 +115,7 @@ import time
 from _measure import cpu_busy_s, emit_result, median, proc_status_kib, reset_peak_rss, run_child, self_cpu_s
 
 DEFAULT_KINDS = ("eager", "inductor", "optpass")
-ALL_KINDS = DEFAULT_KINDS + ("optpass-eager", "optpass-clip")
+ALL_KINDS = DEFAULT_KINDS + ("optpass-eager", "optpass-clip", "optpass-scaler", "optpass-scaler-after")
 OPTIMIZERS = ("adamw", "sgd")
 STATE_BYTES_PER_PARAM = {"adamw": 8, "sgd": 4}   # fp32 exp_avg + exp_avg_sq; momentum_buffer
 MEMORY_GOAL = 0.90      # whole-run peak saved, as a fraction of the gradient bytes, vs inductor and vs eager
@@ -200,12 +207,14 @@ def run_variant(args) -> None:
         step = train_step
     elif kind == "inductor":
         step = torch.compile(train_step, backend="inductor")
-    elif kind in ("optpass", "optpass-eager", "optpass-clip"):
-        options = {"optimizer": opt, "optimizer_in_backward": True}
+    elif kind.startswith("optpass"):
+        options = {"optimizer": opt, "optimizer_in_backward": kind != "optpass-scaler-after"}
         if kind == "optpass-eager":
             options["lower"] = "eager"
         if kind == "optpass-clip":   # exact global-norm clipping: one extra, norm-only backward
             options["clip_grad_norm"] = 1.0
+        if kind.startswith("optpass-scaler"):   # loss scaling: inf/nan check before any update
+            options["grad_scaler"] = torch.amp.GradScaler(device.type)
         step = torch.compile(train_step, backend="optpass", options=options)
     else:
         raise SystemExit(f"unknown variant kind {kind!r}; choose from {ALL_KINDS}")
@@ -428,6 +437,14 @@ def _print_goals(opt: str, summary: dict, ratios: dict, grad_bytes: int) -> None
         ratios["whole_run_peak_clip_minus_optpass_mb"] = c["whole_run_peak_mb"] - o["whole_run_peak_mb"]
         print(f"  optpass-clip vs optpass: step time ratio {ratios['step_time_clip_over_optpass']:.3f}; whole-run "
               f"peak {ratios['whole_run_peak_clip_minus_optpass_mb']:+.1f} MB  (the cost of clip_grad_norm)")
+    for variant, what in (("optpass-scaler", "grad_scaler inside backward: a check-only first backward"),
+                          ("optpass-scaler-after", "grad_scaler, update after backward")):
+        c = summary.get(f"{variant}/{opt}")
+        if c is not None:
+            ratios[f"step_time_{variant}_over_optpass"] = c["median_step_ms"] / o["median_step_ms"]
+            ratios[f"whole_run_peak_{variant}_minus_optpass_mb"] = c["whole_run_peak_mb"] - o["whole_run_peak_mb"]
+            print(f"  {variant} vs optpass: step time ratio {ratios[f'step_time_{variant}_over_optpass']:.3f}; "
+                  f"whole-run peak {ratios[f'whole_run_peak_{variant}_minus_optpass_mb']:+.1f} MB  ({what})")
     e, eager = summary.get(f"optpass-eager/{opt}"), summary.get(f"eager/{opt}")
     if e is not None and eager is not None:
         saved = (eager["whole_run_peak_mb"] - e["whole_run_peak_mb"]) * _MB / grad_bytes

@@ -1048,6 +1048,39 @@ print("masters:", {i: (tuple(t.shape), t.dtype) for i, t in entry["masters"].ite
 print("state:  ", {i: {k: v.dtype for k, v in s.items()} for i, s in entry["state"].items()})
 """),
     md("""
+## 4. fp16 with dynamic loss scaling
+
+fp16 has a narrow range (up to 65504), so fp16 training scales the loss up before
+backward and the gradients down before the update, and skips a step whose gradients
+overflowed. Pass your `torch.amp.GradScaler` as `options["grad_scaler"]` and keep the
+plain step (no `scaler.scale(...)` in it: Dynamo cannot trace it). Below, batch 5 holds
+an inf: that step changes nothing and halves the scale. With `growth_interval=3` the scale
+doubles after every 3 clean steps; a step whose scaled gradients overflow fp16 is skipped
+as well (step 6 here). The scale lives in the
+scaler (`scaler.get_scale()`, `scaler.state_dict()`); `optpass.skipped_steps(scaler)` counts
+the skips.
+"""),
+    code("""
+torch.manual_seed(0)
+fp16 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(torch.float16)
+fp16_opt = torch.optim.AdamW(fp16.parameters(), lr=torch.tensor(1e-2))
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=3)
+fp16_step = torch.compile(make_train_step(fp16, fp16_opt), backend="optpass", options={
+    "optimizer": fp16_opt, "master_weights": torch.float32, "grad_scaler": scaler, "lower": "eager"})
+
+print("step  loss      scale   skipped so far")
+for i in range(12):
+    xb = x[8 * (i % 8): 8 * (i % 8) + 8].to(torch.float16)
+    if i == 5:
+        xb = xb.clone(); xb[0, 0] = float("inf")            # a batch that overflows
+    before = [p.detach().clone() for p in fp16.parameters()]
+    loss = fp16_step(xb, y[8 * (i % 8): 8 * (i % 8) + 8].to(torch.float16))
+    moved = any(not torch.equal(p, q) for p, q in zip(fp16.parameters(), before))
+    print(f"{i:4d}  {loss.item():8.4f}  {scaler.get_scale():6.0f}   {optpass.skipped_steps(scaler)}"
+          f"{'' if moved else '   <- skipped: no parameter moved'}")
+print(scaler.state_dict())
+"""),
+    md("""
 ## Summary
 
 * `options={"optimizer": opt, "master_weights": torch.float32}`: an fp32 master per
@@ -1055,8 +1088,12 @@ print("state:  ", {i: {k: v.dtype for k, v in s.items()} for i, s in entry["stat
   parameter (fp32 parameters are updated as they are).
 * With `optimizer_in_backward=True` each master is updated as soon as its gradient is
   final; without it, after backward. Either way no step keeps an fp32 copy of the gradients.
-* Not yet (issue 13): with `data_parallel="zero1"`, fp16 with a `GradScaler`, and
-  `clip_grad_norm`; optpass refuses them with an error that says so.
+* With `data_parallel="zero1"` each rank keeps only its shard of the fp32 masters and
+  of the state (README, "With ZeRO-1: masters sharded").
+* `grad_scaler`: fp16 dynamic loss scaling with torch.amp.GradScaler's semantics inside
+  the step; `clip_grad_norm` clips the fp32 (unscaled) gradients.
+* Not yet (issue 13): `grad_scaler` or `clip_grad_norm` with `data_parallel="zero1"`;
+  optpass refuses them with an error that says so.
 """),
 ]
 

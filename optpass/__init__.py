@@ -22,7 +22,7 @@ _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
          "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
          "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
          "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dp", "bucket_size": "optpass.dp",
-         "master_weights": "optpass.mixed_precision"}
+         "master_weights": "optpass.mixed_precision", "skipped_steps": "optpass.grad_scaler"}
 
 
 def __getattr__(name):
@@ -39,5 +39,5 @@ __all__ = [
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
-    "master_weights",
+    "master_weights", "skipped_steps",
 ]

@@ -15,8 +15,8 @@ from optpass.capture import (GraphKind, capture, enable_backward_capture, ignore
 from optpass.errors import OptpassError
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ShardedStep,
                                   refuse_update_during_accumulation)
-from optpass.passes.legality import (check_master_weights, check_optimizer_in_backward, check_zero1,
-                                     ends_at_optimizer_step)
+from optpass.passes.legality import (check_grad_scaler, check_master_weights, check_optimizer_in_backward,
+                                     check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state
 from optpass.options import Options
 from optpass.report import GraphReport, record
@@ -41,9 +41,11 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
     # ZeRO-1: prove the step hands over raw gradients, then run it through the callable that
-    # updates this rank's shard (eagerly the first time, in the graph afterwards).
+    # updates this rank's shard in the graph (with master_weights: its fp32 master shard).
     if options.data_parallel == "zero1" and captured.kind is not GraphKind.OTHER:
         check_zero1(captured, options)
+        if options.master_weights is not None:
+            check_master_weights(captured, options)
         if options.optimizer_in_backward:
             check_optimizer_in_backward(captured, options)
         if captured.kind is GraphKind.STEP:
@@ -54,6 +56,8 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     # (optimizer_in_backward) or after it (a step that calls opt.step()); the user's opt.step() is idle.
     if options.master_weights is not None and captured.kind is not GraphKind.OTHER:
         check_master_weights(captured, options)
+        if options.grad_scaler is not None:
+            check_grad_scaler(captured, options)
         # made now (not at the first fused step): it refuses an optimizer with no bf16/fp16 parameter,
         # and guards opt.step() against running outside the compiled step, after a micro-step too
         master_state(options.optimizer, options.master_weights)
@@ -66,9 +70,13 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
             return MasterWeightsStep(gm, captured, options, plain, compile_fn)
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     # Optimizer in backward: prove it legal on this graph, then run the step through the
-    # callable that fuses torch.optim's own update into backward from the second update on.
-    if options.optimizer_in_backward and captured.kind is not GraphKind.OTHER:
-        check_optimizer_in_backward(captured, options)
+    # callable that fuses torch.optim's own update into backward. A grad_scaler's step fuses the
+    # update too (after backward without in-backward): a skipped step must skip it in the same graph.
+    if (options.optimizer_in_backward or options.grad_scaler is not None) and captured.kind is not GraphKind.OTHER:
+        if options.optimizer_in_backward:
+            check_optimizer_in_backward(captured, options)
+        if options.grad_scaler is not None:
+            check_grad_scaler(captured, options)
         refuse_update_during_accumulation(captured, options)
         if captured.kind is GraphKind.STEP:
             compile_fn = functools.partial(_lower, captured=captured, options=options)
@@ -114,20 +122,31 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_master_weights(captured, options)
-            master_state(options.optimizer, options.master_weights)
+            if options.data_parallel is None:     # zero1 keeps its masters sharded, made by its step
+                master_state(options.optimizer, options.master_weights)
             verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "
                                       "gradient transform before opt.step()"), True
         except OptpassError as error:
             verdict = f"master_weights refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
-    in_backward_legal = (report.legality or "").startswith("optimizer_in_backward is legal")
-    if options.master_weights is not None:
+    scaler_legal = True
+    if options.grad_scaler is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
+        try:
+            check_grad_scaler(captured, options)
+            verdict = "grad_scaler is legal: the step hands opt.step() its raw gradients"
+        except OptpassError as error:
+            verdict, scaler_legal = f"grad_scaler refused: {error}", False
+        report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
+    in_backward_legal = "optimizer_in_backward is legal" in (report.legality or "")
+    if options.master_weights is not None and options.data_parallel is None:
         fused_class = MasterWeightsStep
-        fuse = masters_legal and (in_backward_legal if options.optimizer_in_backward
-                                  else ends_at_optimizer_step(captured))
+        fuse = masters_legal and scaler_legal and (in_backward_legal if options.optimizer_in_backward
+                                                   else ends_at_optimizer_step(captured))
     else:
         fused_class = OptimizerInBackwardStep
-        fuse = options.optimizer_in_backward and options.data_parallel is None and in_backward_legal
+        fuse = options.data_parallel is None and scaler_legal and (
+            in_backward_legal if options.optimizer_in_backward
+            else options.grad_scaler is not None and ends_at_optimizer_step(captured))
     if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
         compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)

@@ -412,6 +412,13 @@ def backward_outside_message(captured: CapturedGraph) -> str:
             "outside the captured graph, so optpass cannot see or rewrite them. Fix: make that code "
             "compile (`torch._dynamo.explain(step)(*batch)` lists every break and its reason), or move "
             "the call out of the step.")
+    if "GradScaler." in reason:
+        return (
+            f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
+            "backward(), the unscale and the optimizer then run outside the captured graph. Fix: give "
+            "the scaler to optpass, options={'optimizer': opt, 'grad_scaler': scaler, ...}, and write the "
+            f"plain step `{SUPPORTED_SHAPE}`: optpass then scales, unscales, skips on inf/nan and updates "
+            "the scale inside the compiled step, with GradScaler's semantics.")
     return (
         f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
         "backward() and what follows it (gradient clipping, the optimizer) then run outside the "

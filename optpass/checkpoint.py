@@ -11,6 +11,13 @@ rank that owns a piece of the parameter (DCP deduplicates it), hyper-parameters
 as the user's ``param_groups``. DCP reads overlapping chunks, so a checkpoint
 saved on N ranks loads on M (ZeroRedundancyOptimizer cannot: pytorch#65650).
 
+With master_weights, each bf16/fp16 parameter's fp32 master is one more entry of
+that form, ``state.<i>.master`` (the rank's master shard is the shard
+optimizer's parameter, so its piece is a view of it, like the state's). Loading
+such a checkpoint restores the masters exactly; loading one without masters (a
+run without master_weights) re-reads the masters from the parameters before the
+next step; a run without master_weights ignores the masters of a checkpoint.
+
     optpass.save_sharded_checkpoint(path, opt, model=model)   # every rank
     optpass.load_sharded_checkpoint(path, opt, model=model)   # every rank, any world size
 """
@@ -31,6 +38,7 @@ from optpass.errors import OptpassError
 from optpass.zero1 import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
+MASTER_KEY = "master"            # a bf16/fp16 parameter's fp32 master, beside its optimizer state
 
 
 @contextlib.contextmanager
@@ -53,7 +61,9 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     state: dict[str, dict] = {}
     for bucket in sharded.layout.buckets:
         shard = sharded.shards.get(bucket.index)
-        values = shard_optimizer.state.get(shard, {}) if shard is not None else {}
+        values = dict(shard_optimizer.state.get(shard, {})) if shard is not None else {}
+        if shard is not None and sharded.has_master(bucket):
+            values[MASTER_KEY] = shard                     # the master shard is the shard optimizer's parameter
         for key, value in values.items():
             for s in bucket.segments[sharded.rank]:
                 state.setdefault(str(s.param), {})[key] = _logical(sharded, bucket, s, shard, key, value)
@@ -107,13 +117,14 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                             process_group=None, partition: str = "even",
-                            bucket_bytes: int | None = None) -> None:
+                            bucket_bytes: int | None = None, master_weights: torch.dtype | None = None) -> None:
     """Load a checkpoint saved by save_sharded_checkpoint, on any number of ranks; call on every rank.
 
     Call it before (or between) steps of a step compiled with the same
-    process_group / partition / bucket_bytes options; the next step continues
-    exactly where the saved run stopped."""
-    sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes)
+    process_group / partition / bucket_bytes / master_weights options; the next
+    step continues exactly where the saved run stopped."""
+    sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
+                                                          master_dtype=master_weights)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     with _quiet():
         template, install = _template(sharded, metadata)
@@ -140,12 +151,21 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
         raise OptpassError("zero1 checkpoint: no optimizer state found in this checkpoint.")
     template: dict[str, dict] = {}
     new_state: dict[torch.Tensor, dict] = {}
+    without_masters: set[int] = set()      # buckets whose masters the checkpoint lacks
     for bucket in sharded.layout.buckets:
         shard = sharded.shards.get(bucket.index)
         if shard is None:
             continue
         for s in bucket.segments[sharded.rank]:
+            if sharded.has_master(bucket):
+                if MASTER_KEY in saved_keys.get(s.param, {}):     # read in place into the master shard
+                    piece = shard[s.offset: s.offset + s.numel]
+                    template.setdefault(str(s.param), {})[MASTER_KEY] = _sharded_tensor(sharded, bucket, s.param, piece)
+                else:
+                    without_masters.add(bucket.index)
             for key, md in saved_keys.get(s.param, {}).items():
+                if key == MASTER_KEY:
+                    continue
                 size = getattr(md, "size", None)
                 state = new_state.setdefault(shard, {})
                 if size is not None and tuple(size) == (sharded.layout.shapes[s.param].numel(),):
@@ -160,13 +180,14 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
     template = {"state": template, "param_groups": _param_groups(sharded.optimizer)}
 
     def install(loaded: dict) -> None:
+        sharded.mark_masters_stale(without_masters)
         for shard, values in new_state.items():
             sharded.shard_optimizer.state[shard] = dict(values)
         for bucket in sharded.layout.buckets:      # non-tensor state (rare): from any piece
             shard = sharded.shards.get(bucket.index)
             for s in bucket.segments[sharded.rank] if shard is not None else ():
                 for key, value in loaded["state"].get(str(s.param), {}).items():
-                    if not isinstance(value, (torch.Tensor, ShardedTensor)):
+                    if key != MASTER_KEY and not isinstance(value, (torch.Tensor, ShardedTensor)):
                         sharded.shard_optimizer.state[shard][key] = value
 
     return template, install

@@ -22,6 +22,13 @@ few gradients at once — the whole run's peak is the fused step's:
   ``load_state_dict`` of another shape of state, a param group added with
   ``add_param_group`` — harvests and compiles again (usually twice a run at most).
 
+With a ``grad_scaler`` the graph also gets the scaler's tensors (scale, growth
+tracker, optpass's skip flag and count: ``grad_scaler.py``), its loss is
+multiplied by the scale (``loss_scaling.scale_loss``), and the update is fused
+even without optimizer_in_backward (after backward: a skipped step must skip it
+in the same graph). State a skipped first update created is not stored: eager
+GradScaler skips ``opt.step()`` entirely.
+
 Either way the fused parameters' gradient outputs are ``None``: ``p.grad`` is
 None after the step and the ``opt.step()`` in the step has nothing to do
 (fact 4). State lives in ``opt.state`` as always, read afresh at every call, so
@@ -41,9 +48,11 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.fx
 
+from optpass import grad_scaler
 from optpass.capture import CapturedGraph
 from optpass.errors import OptpassError
 from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
+from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 
 # Per optimizer: micro-steps seen (shared by the step's graphs: accumulation compiles two).
@@ -62,6 +71,11 @@ class UpdatePlan:
     harvested: HarvestedUpdate
     lr_index: dict[int, int]                  # param group -> Dynamo input index
     state_index: dict[tuple[str, str], int]   # (parameter, state key) -> Dynamo input index
+    in_backward: bool = True                  # False: after backward (grad_scaler without optimizer_in_backward)
+
+    def digest(self) -> str:
+        """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
+        return f"{self.harvested.digest()}-in_backward={self.in_backward}"
 
 
 @dataclasses.dataclass
@@ -128,7 +142,7 @@ class OptimizerInBackwardStep:
         return self.optimizer.param_groups[group]["lr"]
 
     def _make_plan(self, harvested, lr_index: dict, state_index: dict, param_index: dict) -> tuple[str, Any]:
-        return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index)
+        return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index, in_backward=self.options.optimizer_in_backward)
 
     def _separate_params(self, names: dict[str, torch.Tensor]) -> list[str]:
         """Parameters whose update writes a tensor other than the step's parameter (an fp32 master):
@@ -136,12 +150,14 @@ class OptimizerInBackwardStep:
         return []
 
     def _state_layout(self) -> tuple:
-        """Which state exists, of which shape and dtype: the harvested update depends on it."""
+        """Which state exists, of which shape and dtype: the harvested update depends on it (and on
+        the grad_scaler's factors and interval, compiled in)."""
         optimizer, names = self._update_source()
+        scaler = grad_scaler.settings(self.options.grad_scaler) if self.options.grad_scaler else None
         if optimizer is None:
-            return self._membership
+            return self._membership, scaler
         state = optimizer.state
-        return self._membership, tuple(
+        return self._membership, scaler, tuple(
             tuple((k, _layout_of(v)) for k, v in state[p].items()) if p in state else ()
             for p in names.values())
 
@@ -149,7 +165,8 @@ class OptimizerInBackwardStep:
     def _run(self, fused: _FusedGraph, args, extras: list | None):
         extras = fused.extras() if extras is None else extras
         outputs = fused.run(*args, *extras)
-        if fused.created:                                  # state this (first) update created
+        if fused.created and not (self.options.grad_scaler and grad_scaler.last_step_skipped(self.options.grad_scaler)):
+            # state this (first) update created; a skipped step created none (eager's skips opt.step())
             optimizer, names = self._update_source()
             created = extras[-len(fused.created):]
             for (name, key), tensor in zip(fused.created, created):
@@ -171,17 +188,30 @@ class OptimizerInBackwardStep:
         # created state goes last: _run stores those inputs into opt.state after the call
         state_keys += list(created)
         separate = self._separate_params(names) if harvested else []
+        scaler = self.options.grad_scaler if harvested else None
+        scaler_names = ["optpass_scale", "optpass_growth_tracker", "optpass_skipped", "optpass_skip_count"] \
+            if scaler else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-        # extra inputs, in this order: each group's lr, separate parameters (masters), state
-        first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] +
+        # extra inputs, in this order: each group's lr, the scaler's tensors, separate parameters
+        # (masters), state
+        first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
                                            [f"optpass_master_{n}".replace(".", "_") for n in separate] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
-        first_state = first_extra + len(groups) + len(separate)
+        first_master = first_extra + len(groups) + len(scaler_names)
+        first_state = first_master + len(separate)
         context_key, plan = self._make_plan(
             harvested,
             lr_index={g: first_extra + i for i, g in enumerate(groups)},
             state_index={nk: first_state + i for i, nk in enumerate(state_keys)},
-            param_index={n: first_extra + len(groups) + i for i, n in enumerate(separate)})
+            param_index={n: first_master + i for i, n in enumerate(separate)})
+        context = {context_key: plan}
+        if scaler:
+            scale_index = first_extra + len(groups)
+            loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][scale_index])
+            device = next(iter(names.values())).device
+            context[loss_scaling.CONTEXT_KEY] = loss_scaling.ScalingPlan(
+                scale_index, list(harvested.updates), set(separate), *grad_scaler.settings(scaler),
+                in_backward=self.options.optimizer_in_backward)
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
                     if not isinstance(self._lr(g), torch.Tensor)}
         existing = [(names[name], key) for name, key in state_keys if (name, key) not in created]
@@ -191,13 +221,14 @@ class OptimizerInBackwardStep:
             for g in groups:
                 lr = self._lr(g)
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
-            return (lrs + [names[n] for n in separate] + [optimizer.state[p][key] for p, key in existing]
+            scaling = grad_scaler.graph_inputs(scaler, device) if scaler else []
+            return (lrs + scaling + [names[n] for n in separate] + [optimizer.state[p][key] for p, key in existing]
                     + [spec.allocate() for spec in created.values()])
 
         inputs = extras()
         # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
         # tensors: a size Dynamo made dynamic (sequence length, last batch) stays symbolic.
-        run = self.compile_fn(gm, _symbolic_inputs(self.gm, args, inputs), {context_key: plan})
+        run = self.compile_fn(gm, _symbolic_inputs(self.gm, args, inputs), context)
         return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
@@ -276,6 +307,8 @@ class ShardedStep(OptimizerInBackwardStep):
     shard optimizer's (``zero1.py``): from the first update on, the ``shard_optimizer``
     pass puts reduce-scatter, shard update and all-gather into the step graph (the
     shard optimizer's state is created 1/N-sized, as torch.optim's first step would).
+    With master_weights the fp32 master shards are extra inputs of the fused graph,
+    like the state, and the graph updates them in place.
     """
 
     feature = "data_parallel='zero1'"
@@ -285,7 +318,7 @@ class ShardedStep(OptimizerInBackwardStep):
 
         names_by_id = {id(p.tensor): p.name for p in captured.params}
         self.sharded = sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                                         options.bucket_bytes, names_by_id)
+                                         options.bucket_bytes, names_by_id, options.master_weights)
         super().__init__(gm, captured, options, plain, compile_fn)
         self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
         missing = [f"#{i}" if name is None else name for i, name in self.names.items()
@@ -298,6 +331,7 @@ class ShardedStep(OptimizerInBackwardStep):
                 "them out of the optimizer.")
 
     def __call__(self, *args):
+        self.sharded.refresh_masters()       # a checkpoint without masters was loaded
         try:
             return super().__call__(*args)
         except OptpassError:
@@ -328,13 +362,18 @@ class ShardedStep(OptimizerInBackwardStep):
     def _lr(self, group: int):
         return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
 
+    def _separate_params(self, names):
+        """The fp32 master shards (master_weights): they persist, so they are inputs of the graph."""
+        buckets = {self.sharded.shard_name(b): b for b in self.sharded.layout.buckets}
+        return [name for name in names if self.sharded.has_master(buckets[name])]
+
     def _make_plan(self, harvested, lr_index, state_index, param_index):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
 
         device = self.sharded.params[0][1].device
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,
-                                    clip_grad_norm=self.options.clip_grad_norm,
+                                    clip_grad_norm=self.options.clip_grad_norm, master_index=param_index,
                                     collectives=choose_collectives(self.options.collectives,
                                                                    self.sharded.pg.backend_for(device)))
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import types
 from typing import Callable, Iterator
 
@@ -80,6 +81,13 @@ class HarvestedUpdate:
     updates: dict[str, ParameterUpdate]        # by parameter name
     # (parameter, state key) -> what to allocate, for state this update creates (first step)
     created: dict[tuple[str, str], CreatedState] = dataclasses.field(default_factory=dict)
+
+    def digest(self) -> str:
+        """The update's text and the state it creates: two layouts of the state (SGD's first step
+        creates its momentum buffer, later steps read it) give different fused graphs from the same
+        step graph, so this is part of the Inductor cache key of the rewrite."""
+        text = "\n".join(str(g) for g in self.graphs) + repr(sorted(self.created))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
     def groups(self) -> list[int]:

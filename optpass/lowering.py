@@ -55,12 +55,35 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
         report.graph_before = _snapshot(graph)
         report.memory_before = estimate_peak_memory(graph, tag=tag)
     report.passes = passes.run_pipeline(step, options)
+    if options.lower == "inductor":
+        _spell_out_alpha(step)
     step.annotate_regions()
     report.regions = step.region_sizes()
     report.aten_ops_after = passes.count_ops(graph)
     if keep:
         report.graph_after = _snapshot(graph)
         report.memory_after = estimate_peak_memory(graph, tag=tag)
+
+
+def _spell_out_alpha(step: StepGraph) -> None:
+    """``add(a, b, alpha=k)`` -> ``add(a, mul(b, k))`` (and ``sub``) in the updates the passes spliced in.
+
+    Inductor's post-grad passes, which run after ours, fuse ``add(mm(x, y), b, alpha=k)`` into
+    ``addmm`` and drop ``alpha`` (torch 2.13; measured: SGD's weight decay ``grad.add(param,
+    alpha=wd)`` on a Linear weight's gradient, fused into backward, applied wd = 1). An update
+    graph of its own never puts a gradient's ``mm`` next to the add; a fused one does."""
+    aten = torch.ops.aten
+    for node in list(step.graph.nodes):
+        alpha = node.kwargs.get("alpha", 1)
+        if node.target not in (aten.add.Tensor, aten.sub.Tensor) or alpha == 1:
+            continue
+        if step.region_of(node) != "update":
+            continue
+        with step.graph.inserting_before(node):
+            scaled = step.emit(aten.mul.Tensor, node.args[1], alpha)
+            plain = step.emit(node.target, node.args[0], scaled)
+        node.replace_all_uses_with(plain)
+        step.graph.erase_node(node)
 
 
 def _nbytes(node: torch.fx.Node) -> int:

@@ -30,6 +30,10 @@ This module holds what lives outside the step graph, per user optimizer:
   bypassing the masters and their state: it raises instead.
 
 ``optpass.master_weights(opt)`` returns ``{parameter: master}``.
+
+With ``data_parallel="zero1"`` none of this is made: each rank keeps only the
+masters of its shard, as the shard optimizer's parameters (``zero1.py``), saved by
+``optpass.save_sharded_checkpoint``; ``master_weights(opt)`` then says so.
 """
 
 from __future__ import annotations
@@ -54,18 +58,12 @@ class MasterWeights:
 
     def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype):
         self.optimizer, self.dtype = optimizer, dtype
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not any(p.dtype in LOW_PRECISION for p in params):
-            dtypes = sorted({str(p.dtype) for p in params})
-            raise OptpassError(
-                f"master_weights: the optimizer's parameters are {', '.join(dtypes)}, none is bfloat16 or "
-                "float16, so there is nothing to keep an fp32 master copy of. Cast the model before "
-                "building the optimizer over it (model.to(torch.bfloat16)), or drop master_weights.")
+        refuse_without_low_precision([p for g in optimizer.param_groups for p in g["params"]])
         self.master_optimizer = self._build_master_optimizer()
         self._stale: set[int] = set()          # ids of parameters whose master must be re-read
         optimizer.register_state_dict_post_hook(_add_masters_to_state_dict)
         optimizer.register_load_state_dict_post_hook(_adopt_after_load)
-        optimizer.register_step_pre_hook(_refuse_step_outside_the_compiled_step)
+        optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step)
         self.adopt_loaded()
 
     # ------------------------------------------------------------ masters
@@ -170,6 +168,16 @@ class MasterWeights:
             self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
 
 
+def refuse_without_low_precision(params: list[torch.Tensor]) -> None:
+    """master_weights over no bf16/fp16 parameter: usually an optimizer built before model.to(bf16)."""
+    if not any(p.dtype in LOW_PRECISION for p in params):
+        dtypes = sorted({str(p.dtype) for p in params})
+        raise OptpassError(
+            f"master_weights: the optimizer's parameters are {', '.join(dtypes)}, none is bfloat16 or "
+            "float16, so there is nothing to keep an fp32 master copy of. Cast the model before "
+            "building the optimizer over it (model.to(torch.bfloat16)), or drop master_weights.")
+
+
 def _as_master_state(key, value, master: torch.Tensor):
     """torch.optim's load policy, for the master: ``step`` as it is, floating state in its dtype."""
     if not isinstance(value, torch.Tensor) or key == "step":
@@ -196,7 +204,7 @@ def _adopt_after_load(optimizer) -> None:
         store.adopt_loaded()
 
 
-def _refuse_step_outside_the_compiled_step(optimizer, args, kwargs) -> None:
+def refuse_step_outside_the_compiled_step(optimizer, args, kwargs) -> None:
     """An eager opt.step() with gradients present. While Dynamo traces opt.step() (inside the
     compiled step, where the gradients it sees are still pending) this checks nothing: an update
     graph that receives gradients is refused by the backend (legality.check_master_weights)."""
@@ -238,6 +246,7 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
     ``options={"optimizer": optimizer, "master_weights": torch.float32}`` has run."""
     store = _STORES.get(optimizer)
     if store is None:
+        _refuse_sharded_masters(optimizer)
         raise OptpassError(
             "this optimizer has no master weights (yet): they are made from the parameters when a step "
             "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs. "
@@ -245,3 +254,18 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
     store.adopt_loaded()
     store.refresh()
     return {p: m for p, m in store.pairs()}
+
+
+def _refuse_sharded_masters(optimizer: torch.optim.Optimizer) -> None:
+    """With data_parallel='zero1' no rank holds every master: {parameter: master} cannot be had."""
+    from optpass.zero1 import _SHARDED
+
+    sharded = _SHARDED.get(optimizer)
+    if sharded is not None and sharded.master_dtype is not None:
+        raise OptpassError(
+            f"master_weights(opt): this optimizer's fp32 masters are sharded over the {sharded.pg.world} "
+            "ranks of data_parallel='zero1' (rank r holds the masters of its chunk of each bucket, with "
+            "the optimizer state), so no rank has a full master of every parameter. This rank's pieces: "
+            "optpass.zero1.sharded_state(opt).master_pieces() ({parameter index: [(start, stop, fp32 "
+            "view)]}); all of them: optpass.save_sharded_checkpoint(path, opt) (entry 'master' per "
+            "parameter).")

@@ -36,6 +36,12 @@ def _dtype_type() -> type:
     return torch.dtype
 
 
+def _grad_scaler_type() -> type:
+    import torch
+
+    return torch.amp.GradScaler
+
+
 # Issue 13, part 1: what master_weights supports so far (the error for the rest names the issue).
 MASTER_WEIGHTS_ISSUE = "issue 13 (mixed precision)"
 
@@ -56,12 +62,18 @@ OPTIONS: tuple[Option, ...] = (
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
     Option("master_weights", (type(None), "dtype"), None,
            "torch.float32: keep an fp32 master copy of every bf16/fp16 parameter; torch.optim's own update "
-           "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter"),
+           "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter; "
+           "with data_parallel='zero1' each rank keeps only the masters of its shard"),
     Option("accumulation_steps", (int,), 1,
            "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
+    Option("grad_scaler", (type(None), "grad_scaler"), None,
+           "a torch.amp.GradScaler: dynamic loss scaling with its semantics inside the step (backward seeded "
+           "with the scale, gradients unscaled in fp32, the whole update skipped on inf/nan, the scale backed "
+           "off or grown); the scale and growth tracker stay in the scaler"),
     Option("clip_grad_norm", (type(None), float, int), None,
-           "with optimizer_in_backward (one extra backward) or data_parallel (one all-reduce of a scalar): "
-           "exact global-norm clipping to this max norm"),
+           "exact global-norm clipping to this max norm, for a fused update: with optimizer_in_backward one "
+           "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
+           "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order)"),
     Option("data_parallel", (type(None), str), None,
            "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph",
            choices=(None, "zero1")),
@@ -101,6 +113,7 @@ class Options:
     optimizer: Any = None
     optimizer_in_backward: bool = False
     master_weights: Any = None
+    grad_scaler: Any = None
     accumulation_steps: int = 1
     clip_grad_norm: float | None = None
     data_parallel: str | None = None
@@ -129,6 +142,8 @@ class Options:
             _check_type(option, value)
             if isinstance(value, list):
                 value = tuple(value)
+            if key == "grad_scaler" and value is not None and not value.is_enabled():
+                value = None        # GradScaler(enabled=False) does nothing: neither does optpass
             values[key] = value
         options = Options(**values)
         _check_pass_names(options)
@@ -139,12 +154,11 @@ class Options:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
                      self.data_parallel, self.partition, self.bucket_bytes, self.collectives,
-                     self.dp_materialize,
-                     str(self.master_weights)))
+                     self.dp_materialize, str(self.master_weights), self.grad_scaler is not None))
 
 
 def _check_type(option: Option, value: Any) -> None:
-    named = {"optimizer": _optimizer_type, "dtype": _dtype_type}
+    named = {"optimizer": _optimizer_type, "dtype": _dtype_type, "grad_scaler": _grad_scaler_type}
     types = tuple(named[t]() if isinstance(t, str) else t for t in option.types)
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
@@ -164,10 +178,12 @@ def _check_combinations(options: Options) -> None:
     if options.optimizer_in_backward and options.optimizer is None:
         raise OptpassError("optimizer_in_backward needs the optimizer: "
                            "options={'optimizer': opt, 'optimizer_in_backward': True}")
-    if options.clip_grad_norm is not None and (
-            not (options.optimizer_in_backward or options.data_parallel) or options.clip_grad_norm <= 0):
-        raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward or "
-                           "data_parallel; without them call torch.nn.utils.clip_grad_norm_ in the step")
+    fused_update = (options.optimizer_in_backward or options.data_parallel or options.master_weights is not None
+                    or options.grad_scaler is not None)
+    if options.clip_grad_norm is not None and (not fused_update or options.clip_grad_norm <= 0):
+        raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward, data_parallel, "
+                           "master_weights or grad_scaler; without them call torch.nn.utils.clip_grad_norm_ "
+                           "in the step")
     if options.data_parallel is not None:
         if options.optimizer is None:
             raise OptpassError("data_parallel='zero1' needs the optimizer: "
@@ -187,8 +203,11 @@ def _check_combinations(options: Options) -> None:
         if options.collectives not in ("auto", *PLANS):
             raise OptpassError(f"optpass option 'collectives' must be one of "
                                f"{', '.join(map(repr, ('auto', *PLANS)))}, got {options.collectives!r}")
+        _require_pass(options, "shard_optimizer", "data_parallel='zero1'")
     if options.master_weights is not None:
         _check_master_weights(options)
+    if options.grad_scaler is not None:
+        _check_grad_scaler(options)
     if options.accumulation_steps < 1:
         raise OptpassError(f"accumulation_steps must be >= 1, got {options.accumulation_steps}")
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:
@@ -207,22 +226,43 @@ def _check_master_weights(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("master_weights needs the optimizer whose update runs on the masters: "
                            "options={'optimizer': opt, 'master_weights': torch.float32}")
+    if options.clip_grad_norm is not None and options.data_parallel is not None:
+        raise OptpassError(
+            f"clip_grad_norm with master_weights and data_parallel={options.data_parallel!r} is not "
+            f"supported yet ({MASTER_WEIGHTS_ISSUE}: the global fp32 norm of the sharded gradients). Use "
+            "clip_grad_norm with master_weights on one rank, or zero1 with master_weights without clipping.")
+    if options.data_parallel is None:        # with zero1, shard_optimizer updates the master shards
+        _require_pass(options, "master_weights", "master_weights")
+
+
+def _require_pass(options: Options, name: str, feature: str) -> None:
+    """The pass that applies every update: without it the step's gradients would be dropped."""
+    selected = options.passes if options.passes is not None else (name,)
+    if name not in selected or name in options.disable_passes:
+        raise OptpassError(
+            f"{feature} needs the pass {name} (it applies every update, and the step hands optpass its "
+            "gradients); do not leave it out with options 'passes' / 'disable_passes'.")
+
+
+def _check_grad_scaler(options: Options) -> None:
+    if options.optimizer is None:
+        raise OptpassError("grad_scaler needs the optimizer whose update it skips on inf/nan: "
+                           "options={'optimizer': opt, 'grad_scaler': scaler}")
     if options.data_parallel is not None:
         raise OptpassError(
-            f"master_weights with data_parallel={options.data_parallel!r} is not supported yet "
-            f"({MASTER_WEIGHTS_ISSUE}, part 2: masters sharded with the optimizer state). Train "
-            "data-parallel without master_weights, or with master_weights on one rank.")
-    if options.clip_grad_norm is not None:
+            f"grad_scaler with data_parallel={options.data_parallel!r} is not supported yet "
+            f"({MASTER_WEIGHTS_ISSUE}, part 3: every rank must agree on the found-inf flag, one all-reduce). "
+            "Train data-parallel without grad_scaler (bf16, optionally with master_weights), or use "
+            "grad_scaler on one rank.")
+    if options.accumulation_steps > 1:
         raise OptpassError(
-            f"clip_grad_norm with master_weights is not supported yet ({MASTER_WEIGHTS_ISSUE}: clipping "
-            "by the global fp32 norm). Without optimizer_in_backward you can call "
-            "torch.nn.utils.clip_grad_norm_ in the step (it clips the half-precision gradients); "
-            "with it, drop clip_grad_norm or master_weights.")
-    selected = options.passes if options.passes is not None else ("master_weights",)
-    if "master_weights" not in selected or "master_weights" in options.disable_passes:
+            "grad_scaler with accumulation_steps > 1 is not supported yet: the micro-steps' gradients "
+            "would be scaled by one scale and unscaled at the last. Drop accumulation_steps or grad_scaler.")
+    selected = options.passes if options.passes is not None else ("loss_scaling",)
+    if "loss_scaling" not in selected or "loss_scaling" in options.disable_passes:
         raise OptpassError(
-            "master_weights needs the pass master_weights (it applies every update, and the step hands "
-            "optpass its gradients); do not leave it out with options 'passes' / 'disable_passes'.")
+            "grad_scaler needs the pass loss_scaling (it scales backward, unscales the gradients and skips "
+            "the update on inf/nan); do not leave it out with options 'passes' / 'disable_passes'.")
 
 
 def _check_pass_names(options: Options) -> None:

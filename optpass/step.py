@@ -53,6 +53,9 @@ class StepGraph:
     context: dict = dataclasses.field(default_factory=dict)
     # What passes want a reader to know beyond applied/skipped (explain shows them).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # A 0-d bool value: when true, every update write keeps its target's old value (loss scaling's
+    # found_inf: the step is skipped). Set by the loss_scaling pass, read by write_update.
+    skip_update: torch.fx.Node | None = None
 
     @property
     def kind(self) -> GraphKind:
@@ -80,6 +83,14 @@ class StepGraph:
         node = self.graph.call_function(target, args, kwargs)
         self.set_fake_value(node)
         return node
+
+    def write_update(self, target: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+        """An update's in-place write ``copy_(target, value)`` at the insert point; with a
+        ``skip_update`` guard, ``copy_(target, where(skip, target, value))``: a skipped step leaves
+        parameters, masters and optimizer state (``step`` counters included) as they were."""
+        if self.skip_update is not None:
+            value = self.emit(torch.ops.aten.where.self, self.skip_update, target, value)
+        return self.emit(torch.ops.aten.copy_.default, target, value)
 
     def size_arg(self, size):
         """``size`` as an FX argument: an int as is; a symbolic size as a node computing it from the

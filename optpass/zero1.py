@@ -28,6 +28,14 @@ module holds what does not live in a graph:
   (one flat tensor per parameter and state key), so a checkpoint written on
   N ranks resumes on M.
 
+* **fp32 master shards** (``master_weights=torch.float32``, Megatron's distributed
+  optimizer) — the shard optimizer's parameter for a bf16/fp16 bucket is this
+  rank's fp32 master of its chunk, read from the parameters when the shards are
+  made (or loaded from a checkpoint) and updated in place by the step; its state
+  is fp32. No rank holds a full-size master: per parameter element a rank keeps
+  the bf16 parameter (2 bytes) and 1/N of the master (4) and of the state (AdamW 8).
+  ``master_pieces()`` lists this rank's pieces.
+
 * **every update in the graph** — the ``shard_optimizer`` pass puts collectives
   and the shard optimizer's update into the step graph from the first step on;
   the shard optimizer's state is created as torch.optim's first step creates it
@@ -47,6 +55,8 @@ import torch
 import torch.distributed as dist
 
 from optpass.errors import OptpassError
+from optpass.mixed_precision import (LOW_PRECISION, refuse_step_outside_the_compiled_step,
+                                     refuse_without_low_precision)
 
 PARTITIONS = ("even", "greedy")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
@@ -225,15 +235,22 @@ class ProcessGroupInfo:
 
 
 class ShardedOptimizer:
-    """This rank's shard of `optimizer`: a torch.optim optimizer over its chunk of each bucket."""
+    """This rank's shard of `optimizer`: a torch.optim optimizer over its chunk of each bucket.
+
+    With ``master_dtype`` (options master_weights) the chunk of a bf16/fp16 bucket is this
+    rank's fp32 master of those elements (Megatron's distributed optimizer): it persists
+    between steps, the graph updates it in place and all-gathers its rounding. Without it
+    (or for an fp32 bucket) the chunk is a stand-in the graph fills from the parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, pg: ProcessGroupInfo, partition: str,
-                 bucket_bytes: int | None):
+                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None):
         self.optimizer, self.pg = optimizer, pg
-        self.partition, self.bucket_bytes = partition, bucket_bytes
+        self.partition, self.bucket_bytes, self.master_dtype = partition, bucket_bytes, master_dtype
         self.params = trainable_params(optimizer)
         if not self.params:
             raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
+        if master_dtype is not None:
+            refuse_without_low_precision([p for _, p in self.params])
         self.layout = build_layout(self.params, pg.world, partition, bucket_bytes)
         # One flat shard per bucket this rank owns elements of, named like a parameter.
         self.shards: dict[int, torch.Tensor] = {}
@@ -241,8 +258,11 @@ class ShardedOptimizer:
             owned = bucket.owned(pg.rank)
             if owned:
                 p = self.params[bucket.params[0]][1]
-                self.shards[bucket.index] = torch.zeros(owned, dtype=p.dtype, device=p.device)
+                dtype = master_dtype if self.has_master(bucket) else p.dtype
+                self.shards[bucket.index] = torch.zeros(owned, dtype=dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
+        self._stale_masters = {b.index for b in self.layout.buckets if b.index in self.shards}
+        self.refresh_masters()
 
     @property
     def rank(self) -> int:
@@ -285,6 +305,48 @@ class ShardedOptimizer:
         return sum(t.numel() * t.element_size() for state in self.shard_optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))
 
+    # ------------------------------------------------------------ fp32 masters (master_weights)
+
+    def has_master(self, bucket: Bucket) -> bool:
+        """The bucket's update runs on fp32 masters (the same answer on every rank: it sets the
+        dtype of the bucket's reduce-scatter)."""
+        dtype = self.params[bucket.params[0]][1].dtype
+        return self.master_dtype is not None and dtype in LOW_PRECISION
+
+    def mark_masters_stale(self, buckets) -> None:
+        """Re-read these buckets' masters from the parameters before the next step (a checkpoint
+        without masters was loaded; the parameters may be loaded after it)."""
+        self._stale_masters.update(b for b in buckets if b in self.shards)
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        if not self._stale_masters:              # every step asks: usually nothing to do
+            return
+        for bucket in self.layout.buckets:
+            if bucket.index in self._stale_masters and self.has_master(bucket):
+                shard = self.shards[bucket.index]
+                for s in bucket.segments[self.rank]:
+                    flat = self.params[s.param][1].detach().reshape(-1)
+                    shard[s.offset: s.offset + s.numel].copy_(flat[s.start: s.stop])
+        self._stale_masters.clear()
+
+    def master_pieces(self) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
+        """This rank's fp32 masters: parameter index (optimizer order) -> [(start, stop, view)],
+        elements [start, stop) of the flattened parameter; the views are the masters the step updates."""
+        self.refresh_masters()
+        pieces: dict[int, list] = {}
+        for bucket in self.layout.buckets:
+            if bucket.index in self.shards and self.has_master(bucket):
+                shard = self.shards[bucket.index]
+                for s in bucket.segments[self.rank]:
+                    pieces.setdefault(s.param, []).append((s.start, s.stop, shard[s.offset: s.offset + s.numel]))
+        return pieces
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 masters on this rank (0 without master_weights)."""
+        return sum(t.numel() * t.element_size() for b, t in self.shards.items()
+                   if self.has_master(self.layout.buckets[b]))
+
 
 # ---------------------------------------------------------------- sessions and checks
 
@@ -293,21 +355,26 @@ _SHARDED: WeakKeyDictionary = WeakKeyDictionary()
 
 def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, partition: str = "even",
                       bucket_bytes: int | None = None,
-                      names: dict[int, str] | None = None) -> ShardedOptimizer:
+                      names: dict[int, str] | None = None,
+                      master_dtype: torch.dtype | None = None) -> ShardedOptimizer:
     """The sharded state of `optimizer` on this rank (created once; later calls must agree)."""
     pg = ProcessGroupInfo.of(process_group)
     existing = _SHARDED.get(optimizer)
     if existing is not None:
-        wanted = (pg.group, partition, bucket_bytes)
-        if (existing.pg.group, existing.partition, existing.bucket_bytes) != wanted:
+        wanted = (pg.group, partition, bucket_bytes, master_dtype)
+        if (existing.pg.group, existing.partition, existing.bucket_bytes, existing.master_dtype) != wanted:
             raise OptpassError(
                 "data_parallel='zero1': this optimizer is already sharded with process group "
                 f"{existing.pg.name}, partition {existing.partition!r}, bucket_bytes "
-                f"{existing.bucket_bytes}; compile every step that uses it with the same options.")
+                f"{existing.bucket_bytes}, master_weights {existing.master_dtype}; compile every step "
+                "that uses it, and call load_sharded_checkpoint, with the same options.")
         return existing
-    check_ranks_agree(optimizer, pg, partition, bucket_bytes, names)
+    check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype)
     broadcast_parameters(optimizer, pg)
-    sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes)
+    sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype)
+    if master_dtype is not None:
+        # an eager opt.step() would update the parameters and bypass the masters: it raises
+        optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step)
     _SHARDED[optimizer] = sharded
     return sharded
 
@@ -322,11 +389,13 @@ def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
 
 
 def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: int,
-              names: dict[int, str] | None = None) -> list[tuple[str, Any]]:
+              names: dict[int, str] | None = None,
+              master_dtype: torch.dtype | None = None) -> list[tuple[str, Any]]:
     """What must be identical on every rank, as (what, value) pairs in a fixed order."""
     names = names or {}
     items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__name__),
                                     ("partition", partition), ("bucket_bytes", bucket_bytes),
+                                    ("master_weights", str(master_dtype)),
                                     ("param groups", len(optimizer.param_groups))]
     for g, group in enumerate(optimizer.param_groups):
         settings = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
@@ -340,9 +409,9 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
 
 
 def check_ranks_agree(optimizer, pg: ProcessGroupInfo, partition: str, bucket_bytes: int,
-                      names: dict[int, str] | None = None) -> None:
+                      names: dict[int, str] | None = None, master_dtype: torch.dtype | None = None) -> None:
     """Every rank must train the same parameters with the same optimizer: compare with rank 0."""
-    mine = signature(optimizer, partition, bucket_bytes, names)
+    mine = signature(optimizer, partition, bucket_bytes, names, master_dtype)
     everyone: list = [None] * pg.world
     dist.all_gather_object(everyone, mine, group=pg.group)
     reference = everyone[0]

@@ -171,7 +171,9 @@ def test_grad_scaler_unscale_is_refused():
     assert "`GradScaler.scale` (Dynamo does not trace it)" in message
     assert "The step shape is not the cause" in message and "Fix the step shape" not in message
     assert "scaler.scale(loss).backward()" in message
-    assert "Train bf16 without a scaler" in message
+    # the fix: the grad_scaler option and the plain step
+    assert "options={'optimizer': opt, 'grad_scaler': scaler, ...}" in message
+    assert "no scaler.scale/step/update in it" in message
 
 
 @pytest.mark.parametrize("option", ["pipeline_parallel_degree", "expert_parallel_degree"])

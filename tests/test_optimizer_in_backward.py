@@ -157,6 +157,15 @@ def test_inductor_lowering_matches_eager():
     assert params <= TOL and state <= TOL
 
 
+def test_inductor_lowering_compiles_each_state_layout_apart():
+    """SGD with momentum compiles the fused step twice from one step graph (its first update creates the
+    buffers, later ones read them). Inductor's FX graph cache keyed both alike and served the first
+    compile for the second: the momentum buffers were created anew at every step (regression)."""
+    twin = Twin(MLP, lambda m: OPTIMIZERS["sgd"](m.parameters()))
+    params, state = train_both(twin, lower="inductor", steps=3)
+    assert params <= TOL and state <= TOL
+
+
 def test_adafactor_python_scalar_update_is_fused_and_matches_eager():
     """Adafactor's step reads step.item() and param.norm().item() and takes min/max of them: it
     is harvested as float64 0-d tensor math (harvest_scalars.py), lr still an input."""

@@ -195,3 +195,85 @@ class TestMasterWeightsGraph(TestCase):
  detach_0 = aten.detach(mse_loss_0)
 -return (detach_0, copy_0)
 +return (detach_0, None)""")
+
+
+class TestLossScalingGraph(TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+
+    def test_fp16_sgd_scaled_seed_unscale_found_inf_guarded_update_and_scale_update(self):
+        """grad_scaler + master_weights, update after backward: the loss times the scale seeds backward
+        (rounded to the fp16 loss's dtype, as eager autograd does); the gradient is unscaled in fp32
+        with GradScaler's inv_scale; found_inf guards both writes (master, parameter); the scale and
+        growth tracker are updated by _amp_update_scale, and optpass's skip flag and count."""
+        model = nn.Linear(3, 2, bias=False).to(torch.float16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+
+        step = torch.compile(train_step, backend="optpass", options={
+            "lower": "eager", "optimizer": opt, "master_weights": torch.float32,
+            "grad_scaler": torch.amp.GradScaler("cpu")})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(torch.randn(4, 3, dtype=torch.float16), torch.randn(4, 2, dtype=torch.float16))
+        report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+        before = optpass.graph_text(report.graph_before, shapes=False).splitlines()
+        seed = before[before.index(next(line for line in before if line.startswith("mse_loss_0"))):][:6]
+        # in4: the scaler's scale (an input): backward of loss * scale, as scaler.scale(loss) computes it
+        self.assertExpectedInline("\n".join(seed), """\
+mse_loss_0 = aten.mse_loss(mm_0, in2)
+mul_0 = aten.mul.Tensor(mse_loss_0, in4)
+ones_like_0 = aten.ones_like(mul_0, pin_memory=False, memory_format=torch.preserve_format)
+mul_1 = aten.mul.Tensor(ones_like_0, in4)
+_to_copy_0 = aten._to_copy(mul_1, dtype=torch.float16)
+mse_loss_backward_0 = aten.mse_loss_backward(_to_copy_0, mm_0, in2, 1)""")
+        diff = optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)
+        # in3: lr, in4: scale, in5: growth tracker, in6/in7: optpass's skip flag / count, in8: the fp32 master
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -9,2 +9,5 @@
+ in8 = placeholder
++convert_element_type_0 = prims.convert_element_type(in4, torch.float64)
++reciprocal_0 = aten.reciprocal(convert_element_type_0)
++convert_element_type_1 = prims.convert_element_type(reciprocal_0, torch.float32)
+ t_0 = aten.t(in0)
+@@ -21,5 +24,27 @@
+ t_3 = aten.t(t_2)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, t_3)
++abs_0 = aten.abs(t_3)
++lt_0 = aten.lt.Scalar(abs_0, float('inf'))
++logical_not_0 = aten.logical_not(lt_0)
++any_0 = aten.any(logical_not_0)
++convert_element_type_2 = prims.convert_element_type(t_3, torch.float32)
++mul_2 = aten.mul.Tensor(convert_element_type_2, convert_element_type_1)
+ detach_0 = aten.detach(mse_loss_0)
+-return (detach_0, copy_0)
++convert_element_type_3 = prims.convert_element_type(any_0, torch.float32)
++_amp_update_scale_0 = aten._amp_update_scale(in4, in5, convert_element_type_3, 2.0, 0.5, 2000)
++getitem_0 = getitem(_amp_update_scale_0, 0)
++copy__0 = aten.copy_(in4, getitem_0)
++getitem_1 = getitem(_amp_update_scale_0, 1)
++copy__1 = aten.copy_(in5, getitem_1)
++copy__2 = aten.copy_(in6, convert_element_type_3)
++convert_element_type_4 = prims.convert_element_type(any_0, torch.int64)
++add_0 = aten.add.Tensor(in7, convert_element_type_4)
++copy__3 = aten.copy_(in7, add_0)
++neg_0 = aten.neg(in3)
++fma_0 = prims.fma(mul_2, neg_0, in8)
++copy_0 = aten.copy(in8, fma_0)
++where_0 = aten.where.self(any_0, in8, copy_0)
++copy__4 = aten.copy_(in8, where_0)
++convert_element_type_5 = prims.convert_element_type(copy_0, torch.float16)
++where_1 = aten.where.self(any_0, in0, convert_element_type_5)
++copy__5 = aten.copy_(in0, where_1)
++return (detach_0, None)""")

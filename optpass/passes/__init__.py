@@ -5,10 +5,11 @@ and what it refuses in the module docstring. The pipeline, in order:
 
 | pass                  | file                     | on by default | changes numerics |
 |-----------------------|--------------------------|---------------|------------------|
+| loss_scaling          | loss_scaling.py          | when asked    | no (torch.amp.GradScaler's step) |
 | clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
-| shard_optimizer       | shard_optimizer.py       | when asked    | no (torch.optim's own update, 1/N of it) |
+| shard_optimizer       | shard_optimizer.py       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
 | per_sample_grad_norm  | per_sample_grad_norm.py  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
@@ -36,7 +37,7 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, master_weights,
+from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, loss_scaling, master_weights,
                             optimizer_in_backward, per_sample_grad_norm, shard_optimizer)
 
 log = logging.getLogger("optpass")
@@ -52,6 +53,8 @@ class GraphPass:
 
 
 PASSES: tuple[GraphPass, ...] = (
+    # fp16 loss scaling (GradScaler's semantics): scaled backward, fp32 unscale, skip on inf/nan (opt-in).
+    GraphPass("loss_scaling", loss_scaling.run, applies_to=(GraphKind.STEP,)),
     # Global-norm clipping for fused updates: a norm-only backward first (opt-in).
     GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).

@@ -24,6 +24,11 @@ Refuses, with the user's source line, why, and what to do instead:
 * a step whose backward ran outside the graph (it cannot be proved on a step it
   could not see, fact 19).
 
+``check_grad_scaler`` (options grad_scaler) proves, on the same labels, that the
+step hands ``opt.step()`` its raw gradients (code between backward and the update
+would see scaled ones) and refuses fp16 parameters without master_weights, micro-steps
+without ``opt.step()`` and a GradScaler called in the step (naming the option instead).
+
     step graph                                   labels
       g0, g1 = autograd.grad(loss, [w0, w1])     g0:{w0}  g1:{w1}
       n = stack([norm(g0), norm(g1)]).norm()     n:{w0,w1}   <- clip_grad_norm_ (user line)
@@ -69,17 +74,81 @@ def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
             raise OptpassError(f"{feature} needs backward() inside the compiled step. {message[0].upper()}{message[1:]}")
         where = f" ({captured.split_line})" if captured.split_line else ""
         if "GradScaler." in (captured.split_reason or ""):
-            raise OptpassError(
-                f"{feature} needs backward() inside the compiled step, but the step stops before "
-                f"it{where} because of: {captured.split_reason}. The step shape is not the cause: "
-                "torch.amp.GradScaler cannot be traced, and its unscale and inf/nan check need every "
-                "gradient before any update, which a fused update cannot wait for. Train bf16 without "
-                "a scaler (optionally with options master_weights=torch.float32), or drop "
-                f"{feature} to keep fp16 loss scaling.")
+            raise OptpassError(grad_scaler_in_step_message(captured, feature))
         raise OptpassError(
             f"{feature} needs backward() inside the compiled step, but the step stops "
             f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
             f"`{SUPPORTED_SHAPE}`.")
+
+
+def grad_scaler_in_step_message(captured: CapturedGraph, feature: str) -> str:
+    where = f" ({captured.split_line})" if captured.split_line else ""
+    return (
+        f"{feature} needs backward() inside the compiled step, but the step stops before it{where} "
+        f"because of: {captured.split_reason}. The step shape is not the cause: torch.amp.GradScaler "
+        "cannot be traced. Give the scaler to optpass instead, and write the plain step: "
+        "options={'optimizer': opt, 'grad_scaler': scaler, ...} with "
+        f"`{SUPPORTED_SHAPE}` (no scaler.scale/step/update in it). optpass then scales backward, "
+        "unscales the gradients, skips the step on inf/nan and updates the scale inside the compiled "
+        "step, with GradScaler's semantics; the scale stays in your scaler (scaler.get_scale(), "
+        "scaler.state_dict()).")
+
+
+def check_grad_scaler(captured: CapturedGraph, options) -> None:
+    """grad_scaler: the update runs in the step graph on unscaled gradients and is skipped on inf/nan.
+    Prove the step hands opt.step() its raw gradients: code between backward() and opt.step() would
+    see scaled gradients (eager GradScaler users call scaler.unscale_(opt) before it)."""
+    fp16 = any(p.dtype == torch.float16 for g in options.optimizer.param_groups for p in g["params"])
+    if fp16 and options.master_weights is None:
+        raise OptpassError(
+            "grad_scaler with float16 parameters needs master_weights=torch.float32: GradScaler does not "
+            "unscale fp16 gradients (eagerly it raises 'Attempting to unscale FP16 gradients'), since the "
+            "unscaled values underflow fp16. Use options={'optimizer': opt, 'master_weights': torch.float32, "
+            "'grad_scaler': scaler} (Megatron's fp16 training), or fp32 parameters with "
+            "torch.autocast(device, dtype=torch.float16) around the forward.")
+    _refuse_backward_outside(captured, "grad_scaler")
+    in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
+    if captured.kind is GraphKind.UPDATE:
+        fed = [p.name for p in captured.params
+               if p.name in captured.gradient_inputs and id(p.tensor) in in_optimizer]
+        if fed:
+            raise OptpassError(
+                f"grad_scaler: opt.step() was called with gradients on {len(fed)} parameter(s) outside the "
+                "step compiled with options={'grad_scaler': scaler}: they are scaled gradients that would "
+                "update the parameters unscaled and unchecked. Call opt.step() inside that compiled step, "
+                "after loss.backward().")
+    if captured.kind is not GraphKind.STEP:
+        return
+    _refuse_unseen_gradient_transforms(captured, "grad_scaler")
+    if not options.optimizer_in_backward and not ends_at_optimizer_step(captured):
+        where = f" ({captured.backward_line})" if captured.backward_line else ""
+        raise OptpassError(
+            f"grad_scaler: this compiled step runs backward(){where} but does not call opt.step(), so its "
+            "gradients would stay in .grad, scaled. Gradient accumulation with grad_scaler is not supported "
+            f"yet: write the whole step, `{SUPPORTED_SHAPE}`.")
+    if captured.accumulating:
+        raise OptpassError(
+            "grad_scaler: this step accumulates into existing .grad tensors "
+            f"({', '.join(sorted(captured.accumulating)[:3])}), which would be unscaled with this step's "
+            "scale. Call opt.zero_grad() in every step (accumulation with grad_scaler is not supported yet).")
+    transform = _first_gradient_transform(captured)
+    if transform is not None:
+        where = node_user_line(transform)
+        raise OptpassError(
+            f"grad_scaler refused: the step transforms gradients before opt.step() at "
+            f"{where or transform.name}. With grad_scaler the gradients there are still scaled (eager "
+            "GradScaler code calls scaler.unscale_(opt) first). For global-norm clipping remove "
+            "clip_grad_norm_ from the step and pass options={..., 'clip_grad_norm': max_norm}: optpass "
+            "clips the unscaled gradients (fp32 with master_weights), after the inf/nan check; otherwise "
+            "remove the transform (e.g. scale the loss instead).")
+
+
+def _first_gradient_transform(captured: CapturedGraph) -> torch.fx.Node | None:
+    """The first op between backward() and the step graph's end that reads a gradient, other than
+    Dynamo's copy of each gradient into .grad."""
+    labels, _ = gradient_labels(captured)
+    return next((node for node in captured.gm.graph.nodes
+                 if node in labels and not _is_gradient_plumbing(node)), None)
 
 
 def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str = "optimizer_in_backward") -> None:
@@ -104,17 +173,6 @@ def ends_at_optimizer_step(captured: CapturedGraph) -> bool:
 def check_master_weights(captured: CapturedGraph, options) -> None:
     """master_weights applies every update inside the step graph (from the gradients it returns):
     refuse a step whose backward, or whatever follows it before opt.step(), the graph does not hold."""
-    from optpass.options import MASTER_WEIGHTS_ISSUE
-
-    gm = captured.gm
-    reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", "") or ""
-    if "GradScaler" in reason:
-        where = f" at {captured.split_line}" if captured.split_line else ""
-        raise OptpassError(
-            f"master_weights with a GradScaler in the step{where} is not supported yet "
-            f"({MASTER_WEIGHTS_ISSUE}, part 3: dynamic loss scaling of fp16 parameters, found_inf and "
-            "skipped steps inside the fused update). For now train bf16 parameters without a "
-            "GradScaler, or fp16 without master_weights.")
     _refuse_backward_outside(captured, "master_weights")
     if captured.kind is GraphKind.STEP:
         _refuse_unseen_gradient_transforms(captured, "master_weights")

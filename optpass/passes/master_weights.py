@@ -28,9 +28,17 @@ the masters rounded. ``p.grad`` is None after the step and the step's
 half-precision gradient dies at its update, and no fp32 gradient buffer exists
 (one fp32 gradient at a time).
 
+With ``data_parallel="zero1"`` this pass is skipped: each rank keeps only its
+shard of the masters, and ``shard_optimizer`` updates them (see its docstring).
+
+A gradient that arrives in fp32 already (unscaled by loss_scaling, or cast for
+clip_grad_norm, which clips the fp32 gradients) is not cast again; every write
+goes through ``StepGraph.write_update`` (skipped on inf/nan with a grad_scaler).
+
 Refuses (``options.py``, ``legality.py``): a master dtype other than float32, no
-optimizer, data_parallel, clip_grad_norm, a GradScaler in the step (issue 13,
-later parts), an optimizer over parameters none of which is bf16/fp16.
+optimizer, clip_grad_norm or grad_scaler together with data_parallel (issue 13), a
+GradScaler called in the step (the ``grad_scaler`` option is the way), an optimizer
+over parameters none of which is bf16/fp16.
 
     before:                                   after (optimizer_in_backward):
       g1 = mm(t(dy), x1)          # bf16        g1 = mm(t(dy), x1)
@@ -70,14 +78,17 @@ class MasterPlan:
 
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
-        return f"masters={sorted(self.master_index)}-in_backward={self.in_backward}"
+        return f"{self.harvested.digest()}-masters={sorted(self.master_index)}-in_backward={self.in_backward}"
 
 
 def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
     if plan is None:
-        return ("not requested (options master_weights)" if options.master_weights is None
-                else "this compile keeps gradients (a step without opt.step(), or an accumulation micro-step)")
+        if options.master_weights is None:
+            return "not requested (options master_weights)"
+        if options.data_parallel is not None:
+            return "data_parallel='zero1': shard_optimizer updates this rank's fp32 master shards"
+        return "this compile keeps gradients (a step without opt.step(), or an accumulation micro-step)"
     update_through_masters(step, plan)
     updates = plan.harvested.updates
     step.notes.append(f"{len(plan.master_index)} of {len(updates)} parameters updated on fp32 masters, "
@@ -112,8 +123,11 @@ def _emit_update(step, plan: MasterPlan, name: str, update, param, gradient, inp
         env.update({update.param: param, update.gradient: gradient})
         return copy_slice(step, update, env)
     master = inputs[plan.master_index[name]]
-    gradient32 = step.emit(convert_element_type, gradient, master.meta["val"].dtype)
-    env.update({update.param: master, update.gradient: gradient32})
-    inserted = [gradient32] + copy_slice(step, update, env)    # writes the master and its state
+    inserted = []
+    if gradient.meta["val"].dtype != master.meta["val"].dtype:     # fp32 already after unscaling / clipping
+        gradient = step.emit(convert_element_type, gradient, master.meta["val"].dtype)
+        inserted.append(gradient)
+    env.update({update.param: master, update.gradient: gradient})
+    inserted += copy_slice(step, update, env)                  # writes the master and its state
     rounded = step.emit(convert_element_type, env[update.writes[update.param]], param.meta["val"].dtype)
-    return inserted + [rounded, step.emit(torch.ops.aten.copy_.default, param, rounded)]
+    return inserted + [rounded, step.write_update(param, rounded)]

@@ -15,6 +15,11 @@ and every read of ``p``'s old value, views included (fact 21). The slice
 ends with in-place ``copy_`` writes into ``p`` and its state; ``p``'s gradient
 output slot becomes ``None``.
 
+With a grad_scaler and no optimizer_in_backward (``UpdatePlan.in_backward`` False)
+the same slices are placed after backward, at the end of the step graph, one
+after the other: a skipped step (inf/nan) must skip the update in the graph that
+finds the inf (``loss_scaling.py``).
+
 Effect: the gradient's last use is its update, so it dies there: at most a few
 gradients are live at a time instead of all of them; ``p.grad`` is None after
 the step and ``opt.step()`` has nothing to do (fact 4).
@@ -49,6 +54,9 @@ def run(step, options) -> str | None:
         return "not requested (options optimizer_in_backward)" if not options.optimizer_in_backward \
             else "this compile keeps gradients (first step or accumulation micro-step)"
     splice_updates(step, plan)
+    if not plan.in_backward:
+        step.notes.append(f"{len(plan.harvested.updates)} updates after backward, in the step graph "
+                          "(grad_scaler: skipped on inf/nan)")
     return None
 
 
@@ -60,15 +68,19 @@ def splice_updates(step, plan) -> None:
     # Positions of the original nodes, once: every node an update must follow is one of them
     # (a slice reads only its own parameter), so later insertions do not change the answer.
     position = {n: i for i, n in enumerate(graph.nodes)}
+    end = step.output_node.prev
     for name, update in plan.harvested.updates.items():
         env = {update.param: step.param_nodes[name], update.gradient: gradient_values[name]}
         env.update({ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()})
         env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
-        anchor = last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
+        anchor = (last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
+                  if plan.in_backward else end)
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = copy_slice(step, update, env)
         for node in inserted:
             node.meta[REGION_KEY] = UPDATE
+        if not plan.in_backward:
+            end = inserted[-1]
     step.gradient_nodes.clear()
 
 
@@ -157,5 +169,5 @@ def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Nod
     for target, value in update.writes.items():
         if target is update.param and not write_param:
             continue
-        inserted.append(step.emit(torch.ops.aten.copy_.default, env[target], env[value]))
+        inserted.append(step.write_update(env[target], env[value]))
     return inserted

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""bf16 training with fp32 master weights: bytes per parameter at the whole run's peak, and step time.
+
+The model: a bf16 MLP (default 12 x ``Linear(2896, 2896)`` with ReLU between, 100.7M
+parameters, batch 8, MSE loss computed in fp32) trained with AdamW (lr 1e-4, weight
+decay 0.01) on fp32 master weights, the Megatron way. Variants, each in a FRESH
+process (its own empty ``TORCHINDUCTOR_CACHE_DIR``, ``--threads`` threads):
+
+* ``by-hand`` -- the reference a careful user writes without optpass (eager): fp32
+  masters, ``torch.optim.AdamW`` over them, and after ``loss.backward()`` one
+  parameter at a time: cast its bf16 gradient to fp32 into the master's ``.grad``,
+  free the bf16 gradient, step (only that master has a gradient, so only it is
+  updated), copy the rounded master back. Before activations: 2 (bf16 parameter) +
+  2 (bf16 gradients, all alive after backward) + 4 (master) + 8 (AdamW state) =
+  16 B/param, plus one fp32 gradient at a time;
+* ``optpass`` -- the plain step (``loss.backward(); out = loss.detach(); opt.step();
+  opt.zero_grad(); return out``) with ``torch.compile(backend="optpass", options={
+  "optimizer": opt, "master_weights": torch.float32, "optimizer_in_backward": True})``:
+  each master updated as soon as its gradient is final, the gradient dying there:
+  2 + 4 + 8 = 14 B/param plus one gradient (goal <= 14.5 at the whole run's peak);
+* ``optpass-after`` (only with ``--variants``) -- master_weights without
+  optimizer_in_backward (every bf16 gradient alive at the update: 16 B/param);
+* ``zero1`` -- the same plain step with ``data_parallel="zero1"`` as well, on
+  ``--world`` gloo ranks (processes launched here, each ``--threads`` threads): each
+  rank keeps 1/N of the masters and of the state: 2 + 12/N B/param plus one
+  bucket (goal <= 8.5 per rank at 2 ranks). Each rank trains on its own batch of
+  the same size.
+
+Memory is what a user sees (DESIGN.md, "Measuring"): ``VmHWM`` from
+``/proc/self/status``, the process's peak RSS since it started (imports, model,
+compile, warm-up, measured steps), read before anything resets it; B/param =
+(peak - RSS after the imports, before the model is built) / parameters. It counts
+what compiling adds to the process (Dynamo/Inductor state and generated code),
+which the eager by-hand reference does not pay: the line "compile overhead" says
+how much that is (RSS growth of the same compile on a width-64 copy of the model).
+The steady-state peak (VmHWM reset after warm-up) is printed beside it. Step time:
+median of the measured steps; ratios against ``by-hand`` (same threads per process).
+
+Usage::
+
+    python3 bench/mixed_precision.py                   # 100.7M params, by-hand, optpass, zero1 on 2 ranks (minutes)
+    python3 bench/mixed_precision.py --quick           # 4 x Linear(512, 512): smoke run
+    python3 bench/mixed_precision.py --variants by-hand,optpass,optpass-after --json out.json
+
+The parent never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _measure import RESULT_PREFIX, emit_result, median, proc_status_kib, reset_peak_rss, run_child
+
+VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1")
+DEFAULT_VARIANTS = ("by-hand", "optpass", "zero1")
+GOALS = {"optpass": 14.5, "zero1": 8.5}     # B/param at the whole run's peak (zero1: per rank, 2 ranks)
+_MB = 1e6
+
+
+# ====================================================================== child side
+
+def run_variant(args) -> None:
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    import optpass
+    from optpass.models import MLP
+
+    torch._dynamo.config.trace_autograd_ops = True
+    kind = args.child
+    rank, world = args.rank, args.world if kind == "zero1" else 1
+    if kind == "zero1":
+        import datetime
+
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    rss_after_imports_kib = proc_status_kib("VmRSS")
+
+    torch.manual_seed(0)
+    model = MLP((args.width,) * (args.layers + 1)).to(torch.bfloat16)
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    g = torch.Generator().manual_seed(1 + rank)
+    data = [(torch.randn(args.batch, args.width, generator=g).to(torch.bfloat16),
+             torch.randn(args.batch, args.width, generator=g)) for _ in range(4)]
+
+    if kind == "by-hand":
+        masters = [p.detach().float() for p in params]
+        opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            out = loss.detach()
+            with torch.no_grad():
+                for p, m in zip(params, masters):   # one fp32 gradient alive at a time
+                    m.grad = p.grad.float()
+                    p.grad = None
+                    opt.step()                      # only m has a gradient: only m moves
+                    m.grad = None
+                    p.copy_(m)
+            return out
+        state_of = lambda: opt.state.values()        # noqa: E731
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+
+        def train_step(x, y):
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+        options = {"optimizer": opt, "master_weights": torch.float32,
+                   "optimizer_in_backward": kind in ("optpass", "zero1")}
+        if kind == "zero1":
+            options["data_parallel"] = "zero1"
+        step = torch.compile(train_step, backend="optpass", options=options)
+
+        def state_of():
+            if kind == "zero1":
+                shard = optpass.zero1.sharded_state(opt).shard_optimizer
+                return shard.state.values() if shard is not None else []
+            return optpass.mixed_precision.master_state(opt, torch.float32).master_optimizer.state.values()
+
+    losses, warmup_s = [], []
+    for i in range(args.warmup):
+        x, y = data[i % len(data)]
+        t0 = time.perf_counter()
+        losses.append(float(step(x, y)))
+        warmup_s.append(time.perf_counter() - t0)
+    hwm_warmup_kib = proc_status_kib("VmHWM")          # since process start: nothing reset it yet
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    gc.collect()
+    reset_ok = reset_peak_rss()
+    times = []
+    for i in range(args.steps):
+        x, y = data[(args.warmup + i) % len(data)]
+        if kind == "zero1":
+            torch.distributed.barrier()
+        t0 = time.perf_counter()
+        losses.append(float(step(x, y)))
+        times.append(time.perf_counter() - t0)
+    hwm_steady_kib = proc_status_kib("VmHWM")
+    if int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) != graphs:
+        raise SystemExit(f"{kind}: a graph compiled during the measured steps (raise --warmup)")
+    # what holds the fp32 masters and the optimizer state, counted tensor by tensor
+    state_bytes = sum(t.numel() * t.element_size() for s in state_of() for t in s.values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if kind == "zero1":
+        shard = optpass.zero1.sharded_state(opt)
+        master_bytes = sum(t.numel() * t.element_size() for t in shard.shards.values())
+        torch.distributed.destroy_process_group()
+    elif kind == "by-hand":
+        master_bytes = sum(m.numel() * m.element_size() for m in masters)
+    else:
+        master_bytes = sum(m.numel() * m.element_size() for p, m in optpass.master_weights(opt).items()
+                           if m is not p)
+    whole = max(hwm_warmup_kib, hwm_steady_kib) * 1024
+    baseline = rss_after_imports_kib * 1024
+    emit_result({
+        "variant": kind, "rank": rank, "world": world, "n_params": n_params,
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "master_bytes": master_bytes, "state_bytes": state_bytes,
+        "baseline_bytes": baseline, "whole_run_peak_bytes": whole, "steady_peak_bytes": hwm_steady_kib * 1024,
+        "peak_in": "warm-up" if hwm_warmup_kib >= hwm_steady_kib else "steps",
+        "bytes_per_param_whole_run": (whole - baseline) / n_params,
+        "bytes_per_param_steady": (hwm_steady_kib * 1024 - baseline) / n_params,
+        "peak_reset": reset_ok, "warmup_call_s": warmup_s, "step_times_s": times,
+        "median_step_s": statistics.median(times), "losses": losses, "graphs": graphs,
+        "grads_left": sum(p.grad is not None for p in params),
+    })
+
+
+# ====================================================================== parent side
+
+def _env(args, tag: str) -> tuple[dict, str]:
+    cache_dir = tempfile.mkdtemp(prefix=f"optpass-mp-{tag}-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS=str(args.threads))
+    for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
+        env.pop(var, None)
+    return env, cache_dir
+
+
+def _cmd(args, variant: str, width: int | None = None) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
+            "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world)]
+
+
+def _spawn(args, variant: str, width: int | None = None) -> list[dict]:
+    """One process (or --world rank processes for zero1); their results, by rank."""
+    env, cache_dir = _env(args, variant)
+    try:
+        if variant != "zero1":
+            return [run_child(_cmd(args, variant, width), env, args.child_timeout)]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(_cmd(args, variant, width) + ["--rank", str(r), "--port", str(port)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(args.world)]
+        results = []
+        for r, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=args.child_timeout)
+            lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
+            if proc.returncode != 0 or not lines:
+                for other in procs:
+                    other.kill()
+                raise SystemExit(f"zero1 rank {r} failed (exit {proc.returncode})\n{out[-2000:]}\n{err[-6000:]}")
+            results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+        return results
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def run_parent(args) -> None:
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    started = time.perf_counter()
+    print(f"mixed precision: bf16 MLP {args.layers} x Linear({args.width}, {args.width}), batch {args.batch}, "
+          f"AdamW on fp32 masters | threads {args.threads}/process | zero1 on {args.world} gloo ranks | "
+          f"warmup {args.warmup} | steps {args.steps} | repeats {args.repeats}", flush=True)
+    runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
+    for rep in range(args.repeats):
+        for v in variants:               # interleaved
+            ranks = _spawn(args, v)
+            runs[v].append(ranks)
+            for r in ranks:
+                print(f"  {v:14s} rep {rep} rank {r['rank']}: whole-run peak {r['whole_run_peak_bytes'] / _MB:8.1f} MB"
+                      f" ({r['bytes_per_param_whole_run']:.2f} B/param, in {r['peak_in']}), steady "
+                      f"{r['bytes_per_param_steady']:.2f} B/param, step {r['median_step_s'] * 1e3:.0f} ms, warm-up "
+                      f"{', '.join(f'{t:.1f}' for t in r['warmup_call_s'])} s, process {r.get('process_wall_s', '-')} s",
+                      flush=True)
+    # what compiling alone adds to a process: the same variant on a width-64 copy of the model
+    overhead = {}
+    for v in variants:
+        if v != "by-hand":
+            small = _spawn(args, v, width=64)[0]
+            overhead[v] = small["whole_run_peak_bytes"] - small["baseline_bytes"]
+
+    first = runs[variants[0]][0][0]
+    n = first["n_params"]
+    print()
+    print(f"parameters {n:,} (bf16: {first['param_bytes'] / _MB:.1f} MB) | MB = 1e6 bytes | medians of "
+          f"{args.repeats} | B/param = (VmHWM - RSS after imports) / parameters")
+    header = (f"{'variant':14s} {'whole-run B/param':>17s} {'goal':>6s} {'steady B/param':>14s} "
+              f"{'masters B/p':>11s} {'state B/p':>9s} {'compile MB':>10s} {'step ms':>8s} {'/ by-hand':>9s} "
+              f"{'grads left':>10s} {'final loss':>11s}")
+    print(header)
+    print("-" * len(header))
+    summary = {}
+    hand_ms = None
+    if "by-hand" in runs:
+        hand_ms = median([r["median_step_s"] for rs in runs["by-hand"] for r in rs]) * 1e3
+    for v in variants:
+        flat = [r for rs in runs[v] for r in rs]
+        whole = max(median([r["bytes_per_param_whole_run"] for r in rs]) for rs in zip(*runs[v]))
+        s = {
+            "bytes_per_param_whole_run": whole,          # zero1: the rank with the higher median
+            "bytes_per_param_steady": median([r["bytes_per_param_steady"] for r in flat]),
+            "master_bytes_per_param": median([r["master_bytes"] for r in flat]) / n,
+            "state_bytes_per_param": median([r["state_bytes"] for r in flat]) / n,
+            "compile_overhead_mb": overhead.get(v, 0) / _MB,
+            "median_step_ms": median([r["median_step_s"] for r in flat]) * 1e3,
+            "grads_left": max(r["grads_left"] for r in flat),
+            "final_loss": flat[0]["losses"][-1],
+            "goal": GOALS.get(v),
+        }
+        s["step_over_by_hand"] = s["median_step_ms"] / hand_ms if hand_ms else None
+        s["goal_met"] = None if s["goal"] is None else whole <= s["goal"]
+        summary[v] = s
+        goal = "-" if s["goal"] is None else f"{s['goal']:.1f}"
+        ratio = "-" if s["step_over_by_hand"] is None else f"{s['step_over_by_hand']:.2f}"
+        print(f"{v:14s} {whole:17.2f} {goal:>6s} {s['bytes_per_param_steady']:14.2f} "
+              f"{s['master_bytes_per_param']:11.2f} {s['state_bytes_per_param']:9.2f} "
+              f"{s['compile_overhead_mb']:10.1f} {s['median_step_ms']:8.0f} {ratio:>9s} {s['grads_left']:10d} "
+              f"{s['final_loss']:11.6f}")
+    print()
+    for v, s in summary.items():
+        if s["goal"] is not None:
+            per = f" per rank ({args.world} ranks)" if v == "zero1" else ""
+            net = s["bytes_per_param_whole_run"] - s["compile_overhead_mb"] * _MB / n
+            print(f"{v}: whole-run peak {s['bytes_per_param_whole_run']:.2f} B/param{per} "
+                  f"[goal <= {s['goal']}: {'met' if s['goal_met'] else 'NOT met'}]; without the compile overhead "
+                  f"{net:.2f} B/param")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    out = {"config": vars(args), "n_params": n, "summary": summary, "runs": runs}
+    print("JSON: " + json.dumps({k: out[k] for k in ("config", "n_params", "summary")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="Linear layers (default 12; --quick 4)")
+    p.add_argument("--width", type=int, default=None, help="features of every layer (default 2896; --quick 512)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; --quick 3)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="threads per process (zero1: per rank)")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks for the zero1 variant")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    p.add_argument("--child-timeout", type=int, default=1800)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick and not args.child
+    for name, full, small in (("layers", 12, 4), ("width", 2896, 512), ("steps", 5, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if quick else full)
+    if args.child:
+        run_variant(args)
+    else:
+        run_parent(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""data_parallel='zero1' with master_weights=torch.float32 (Megatron's distributed optimizer) on 2
+and 3 gloo ranks: parity with Megatron's step, what each rank holds, checkpoints that reshard, the
+graph diff.
+
+Two spawned groups run everything (tests/zero1_master_weights_workers.py, run_all): the 2-rank
+group trains its parity cases, pins the graph diff, saves a checkpoint and resumes it on 2 ranks;
+the 3-rank group trains its parity cases and resumes the 2-rank checkpoint on 3 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import TestCase
+
+import zero1_master_weights_workers as workers
+from distributed import run_ranks, values
+
+# Every (optimizer, dtype, placement) once per world size; partitions, an fp32 parameter, a
+# scheduler and the reduce_scatter plan (gloo's "auto" is all_reduce) spread over them.
+# Inductor: a Linear(6, 1) (its compile time grows with the graph).
+CASES = {
+    2: [{"optimizer": "AdamW", "dtype": "bf16", "in_backward": False, "partition": "even", "gain": True,
+         "scheduler": True},
+        {"optimizer": "AdamW", "dtype": "fp16", "in_backward": True, "partition": "greedy",
+         "plan": "reduce_scatter"},
+        {"optimizer": "SGD", "dtype": "bf16", "in_backward": True, "partition": "greedy", "gain": True},
+        {"optimizer": "SGD", "dtype": "fp16", "in_backward": False, "partition": "even", "scheduler": True},
+        {"optimizer": "AdamW", "dtype": "bf16", "in_backward": True, "partition": "even", "lower": "inductor",
+         "linear": True}],
+    3: [{"optimizer": "AdamW", "dtype": "bf16", "in_backward": True, "partition": "greedy", "scheduler": True},
+        {"optimizer": "AdamW", "dtype": "fp16", "in_backward": False, "partition": "even", "gain": True},
+        {"optimizer": "SGD", "dtype": "bf16", "in_backward": False, "partition": "even", "scheduler": True,
+         "plan": "reduce_scatter"},
+        {"optimizer": "SGD", "dtype": "fp16", "in_backward": True, "partition": "greedy", "gain": True}],
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """{world: per-rank [parity results, ...]}; the 2-rank group's checkpoint is resumed on 3."""
+    path = str(tmp_path_factory.mktemp("zero1_masters") / "ckpt")
+    two = values(run_ranks(2, workers.run_all, [("parity", CASES[2]), ("rewritten_graph_diff",),
+                                                ("checkpoint_phase", "save", path),
+                                                ("checkpoint_phase", "load", path),
+                                                ("refused_without_half_precision",)], timeout_s=900))
+    three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path)],
+                             timeout_s=900))
+    return {2: two, 3: three}
+
+
+def _label(world: int, case: dict) -> str:
+    return (f"{world} ranks/{case['optimizer']}/{case['dtype']}/{case['partition']}/"
+            f"{'in' if case['in_backward'] else 'after'}-backward/{case.get('lower', 'eager')}"
+            f"{'/fp32 gain' if case.get('gain') else ''}{'/StepLR' if case.get('scheduler') else ''}"
+            f"/{case.get('plan', 'auto')}")
+
+
+def _parity(ranks):
+    for world, per_rank in ranks.items():
+        for rank, jobs in enumerate(per_rank):
+            for result in jobs[0]:
+                yield world, rank, result
+
+
+def test_parameters_and_masters_match_the_megatron_way(ranks):
+    """20 steps against Megatron's step over N ranks written out in one process (half-precision
+    gradients per rank, cast to fp32, averaged; torch.optim on fp32 masters; rounded copy back):
+
+    * with the update as torch.compile computes torch.optim's step: bitwise on 2 ranks; on 3 ranks
+      within the rounding of the average (gloo's ring sums the ranks in another order than the
+      reference; measured bitwise too); Inductor fuses the fp32 update its own way (2e-7 on the
+      masters measured, parameters bitwise);
+    * with eager torch.optim, one step at a time from the zero1 run's state: within one
+      half-precision ulp and 1e-5 of the masters (SGD measured bitwise on the parameters). Not for
+      the Inductor case's Linear(6, 1): its bias passes 0.0025 at step 3, where torch.optim's own
+      compiled AdamW step is 2.3e-5 (relative) from its eager step, optpass or not (measured)."""
+    for world, rank, result in _parity(ranks):
+        label = (rank, _label(world, result), result)
+        eager_lowering = result.get("lower", "eager") == "eager"
+        if world == 2 and eager_lowering:
+            assert result["ulps"] == 0 and result["master"] == 0.0, label
+        assert result["ulps"] <= 1 and result["master"] <= 1e-6, label
+        if eager_lowering:
+            assert result["eager_ulps"] <= 1 and result["eager_master"] <= 1e-5, label
+
+
+def test_each_rank_holds_one_nth_of_the_fp32_masters_and_state(ranks):
+    """No rank holds a full-size fp32 master copy: a rank's masters are its chunk of each bucket
+    (1/N, within a bucket's chunk of padding or greedy imbalance), the ranks' masters add up to
+    exactly one fp32 copy of the bf16/fp16 parameters, and so does the state (AdamW 8 bytes per
+    element, SGD momentum 4). The user's optimizer holds nothing; no single-process masters exist."""
+    for world, per_rank in ranks.items():
+        for index in range(len(CASES[world])):
+            results = [jobs[0][index] for jobs in per_rank]
+            first = results[0]
+            label = _label(world, first)
+            assert sum(r["master_bytes"] for r in results) == first["full_master_bytes"], label
+            per_element = 8 if first["optimizer"] == "AdamW" else 4
+            assert sum(r["state_bytes"] for r in results) == per_element * first["elements"], label
+            for r in results:
+                assert r["master_bytes"] <= first["full_master_bytes"] / world + 4 * r["largest_chunk"], label
+                assert r["master_bytes"] < first["full_master_bytes"], label
+                assert r["dtypes"] == ["torch.float32"], label
+                assert r["user_optimizer_state"] == 0 and not r["single_process_masters"], label
+
+
+def test_gradients_are_reduced_in_fp32_and_parameters_gathered_in_half_precision(ranks):
+    """The reduction carries fp32 (4 bytes per element: the cast comes before it), the gather the
+    parameters' bf16/fp16 (2 bytes). reduce_scatter plan: one reduce-scatter and one all-gather per
+    bucket, 6 bytes per parameter per step (1.5x DDP's bf16 all-reduce, 0.75x an fp32 one);
+    all_reduce plan (gloo's "auto"): one all-reduce per bucket and a broadcast per owner."""
+    for world, rank, result in _parity(ranks):
+        found, expected, label = result["collectives"], result["expected_bytes"], _label(world, result)
+        reduced, gathered = (("reduce_scatter", "all_gather") if result.get("plan") == "reduce_scatter"
+                             else ("all_reduce", "broadcast"))
+        unused = {"reduce_scatter", "all_gather", "all_reduce", "broadcast"} - {reduced, gathered}
+        assert all(found[kind][0] == 0 for kind in unused), label
+        assert found[reduced][0] > 0 and found[gathered][0] >= found[reduced][0], label
+        assert found[reduced][1] == expected[reduced], label
+        assert found[gathered][1] == expected[gathered], label
+        if not result.get("gain"):                   # half-precision buckets only
+            assert found[reduced][1] == 2 * found[gathered][1], label
+
+
+def test_every_step_runs_the_sharded_fp32_update_and_lr_is_an_input(ranks):
+    """From the first step on (SGD: the step again once its momentum buffers exist); a StepLR
+    changing lr every 5 steps recompiles nothing."""
+    for world, rank, result in _parity(ranks):
+        assert result["every_step_sharded"], _label(world, result)
+        assert result["step_compiles"] == (2 if result["optimizer"] == "SGD" else 1), _label(world, result)
+
+
+def test_master_weights_of_a_zero1_optimizer_says_where_the_masters_are(ranks):
+    _, _, result = next(_parity(ranks))
+    message = result["master_weights_error"]
+    assert "sharded over the 2 ranks of data_parallel='zero1'" in message
+    assert "sharded_state(opt).master_pieces()" in message and "save_sharded_checkpoint" in message
+
+
+def test_an_eager_opt_step_with_gradients_is_refused(ranks):
+    """It would update the half-precision parameters directly, bypassing the master shards."""
+    for world, rank, result in _parity(ranks):
+        assert "opt.step() was called with gradients" in result["eager_step_error"], _label(world, result)
+
+
+def test_an_fp32_model_is_refused(ranks):
+    message = ranks[2][0][4]
+    assert "OptpassError" in message and "none is bfloat16 or float16" in message
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm with master_weights and data_parallel=.zero1. is not supported yet"),
+    ({"grad_scaler": torch.amp.GradScaler("cpu")}, "grad_scaler with data_parallel=.zero1. is not supported yet"),
+    ({"disable_passes": ["shard_optimizer"]}, "needs the pass shard_optimizer"),
+    ({"passes": ["master_weights"]}, "needs the pass shard_optimizer"),
+])
+def test_option_refusals(options, message):
+    import torch
+
+    import optpass
+
+    opt = torch.optim.SGD(workers.Model(torch.bfloat16, False).parameters(), lr=0.1)
+    base = {"optimizer": opt, "master_weights": torch.float32, "data_parallel": "zero1"}
+    assert optpass.options.Options.from_user(base).data_parallel == "zero1"     # the combination itself
+    with pytest.raises(optpass.OptpassError, match=message):
+        optpass.options.Options.from_user({**base, **options})
+
+
+def test_checkpoint_saved_on_2_ranks_resumes_exactly_on_2_and_3(ranks):
+    """Saved after step 10 on 2 ranks (greedy partition, an fp32 gain among bf16 parameters):
+    loaded on 2 or 3 ranks, the masters and AdamW state are exactly the saved ones; on 2 ranks the
+    resumed run ends bitwise where the uninterrupted one does, on 3 ranks bitwise where the
+    Megatron-way reference that averaged over 2 ranks for 10 steps and over 3 after does."""
+    _, _, save, load_2, _ = ranks[2][0]
+    load_3 = ranks[3][0][1]
+    for loaded in (load_2, load_3):
+        assert loaded["loaded"] == save["saved"]
+        assert loaded["vs_reference_ulps"] == 0 and loaded["vs_reference_master"] == 0.0
+    assert load_2["params"] == save["params"] and load_2["final"] == save["final"]
+    assert set(save["saved"]["masters"]) == set(range(7))        # 6 bf16 masters + the fp32 gain
+    assert set(save["saved"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+class TestShardOptimizerWithMastersGraph(TestCase):
+    @pytest.fixture(autouse=True)
+    def _from_the_two_rank_group(self, ranks):      # pytest hands fixtures to unittest classes this way
+        self.diff = ranks[2][0][1]
+
+    def test_graph_diff_fp32_all_reduce_master_update_bf16_broadcast(self):
+        """Rank 0 of 2 on gloo (collectives "auto": all_reduce + a broadcast per owner), one bucket
+        (bias, then the weight: rank 0's chunk is the bias and the weight's first element): the bf16
+        gradients are cut rank-major, cast to fp32 and all-reduced in place, rank 0 slices its chunk
+        and divides by 2; SGD's own momentum update runs on the fp32 master chunk (an input, written
+        in place); its rounding to bf16 is broadcast from rank 0, rank 1's bf16 chunk received into
+        a bf16 buffer, and both are copied into the parameters; the gradient outputs become None."""
+        self.assertExpectedInline(self.diff, """\
+--- before
++++ after
+@@ -25,4 +25,5 @@
+-empty_like_0: bf16[1, 3] = aten.empty_like(in0, pin_memory=False)
+-copy_0: bf16[1, 3] = aten.copy(empty_like_0, t_3)
+-empty_like_1: bf16[1] = aten.empty_like(in1, pin_memory=False)
+-copy_1: bf16[1] = aten.copy(empty_like_1, view_0)
++view_1: bf16[1] = aten.view(view_0, [-1])
++view_2: bf16[3] = aten.view(t_3, [-1])
++cat_0: bf16[4] = aten.cat([view_1, view_2])
++convert_element_type_0: f32[4] = prims.convert_element_type(cat_0, torch.float32)
++all_reduce__0: f32[4] = _c10d_functional.all_reduce_(convert_element_type_0, 'sum', '0')
+@@ -30 +31,24 @@
+-return (detach_0, copy_0, copy_1)
++wait_tensor_0: f32[4] = _c10d_functional.wait_tensor(all_reduce__0)
++slice_0: f32[2] = aten.slice.Tensor(wait_tensor_0, 0, 0, 2)
++div_1: f32[2] = aten.div.Tensor(slice_0, 2)
++mul_2: f32[2] = aten.mul.Tensor(in6, 0.9)
++add_0: f32[2] = aten.add.Tensor(mul_2, div_1)
++neg_0: f32[] = aten.neg(in4)
++fma_0: f32[2] = prims.fma(add_0, neg_0, in5)
++copy_0: f32[2] = aten.copy(in5, fma_0)
++copy__0: f32[2] = aten.copy_(in6, add_0)
++copy__1: f32[2] = aten.copy_(in5, copy_0)
++convert_element_type_1: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
++broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_1, 0, '0')
++empty_0: bf16[2] = aten.empty.memory_format([2], dtype=torch.bfloat16, device=device('cpu'), pin_memory=False)
++broadcast__1: bf16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
++wait_tensor_1: bf16[2] = _c10d_functional.wait_tensor(broadcast__0)
++wait_tensor_2: bf16[2] = _c10d_functional.wait_tensor(broadcast__1)
++slice_1: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 0, 1)
++view_3: bf16[1] = aten.view(slice_1, [1])
++copy__2: bf16[1] = aten.copy_(in1, view_3)
++slice_2: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 1, 2)
++cat_1: bf16[3] = aten.cat([slice_2, wait_tensor_2])
++view_4: bf16[1, 3] = aten.view(cat_1, [1, 3])
++copy__3: bf16[1, 3] = aten.copy_(in0, view_4)
++return (detach_0, None, None)""")
