@@ -99,7 +99,7 @@ def test_bad_data_parallel_options_are_errors(options, match):
 
 @pytest.mark.parametrize("requested, backend, plan", [
     ("auto", "gloo", "all_reduce"),               # gloo: all_reduce + broadcast beat reduce_scatter + all_gather
-    ("auto", "nccl", "reduce_scatter"),           # NCCL: reduce_scatter + all_gather move half the bytes
+    ("auto", "nccl", "reduce_scatter"),           # NCCL: DDP's bytes, the all_reduce plan 1.5x as many
     ("auto", "xccl", "reduce_scatter"),
     ("reduce_scatter", "gloo", "reduce_scatter"),  # an explicit plan is kept on any backend
     ("all_reduce", "nccl", "all_reduce"),
