@@ -149,6 +149,15 @@ class OptimizerInBackwardStep:
         that tensor becomes an input of the fused graph."""
         return []
 
+    def _scaled_gradients(self, harvested, separate: list[str]) -> tuple[list[str], set[str]]:
+        """grad_scaler: the step's gradients that loss_scaling unscales and checks (the fused ones),
+        and those it unscales into fp32 (the ones updated on an fp32 master)."""
+        return list(harvested.updates), set(separate)
+
+    def _found_inf_group(self) -> str | None:
+        """grad_scaler: the process group whose ranks agree on the found-inf flag (None: one rank)."""
+        return None
+
     def _state_layout(self) -> tuple:
         """Which state exists, of which shape and dtype: the harvested update depends on it (and on
         the grad_scaler's factors and interval, compiled in)."""
@@ -188,7 +197,8 @@ class OptimizerInBackwardStep:
         # created state goes last: _run stores those inputs into opt.state after the call
         state_keys += list(created)
         separate = self._separate_params(names) if harvested else []
-        scaler = self.options.grad_scaler if harvested else None
+        # a zero1 rank that owns no shard (harvested None) still scales, checks and agrees on the flag
+        scaler = self.options.grad_scaler
         scaler_names = ["optpass_scale", "optpass_growth_tracker", "optpass_skipped", "optpass_skip_count"] \
             if scaler else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
@@ -208,10 +218,11 @@ class OptimizerInBackwardStep:
         if scaler:
             scale_index = first_extra + len(groups)
             loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][scale_index])
-            device = next(iter(names.values())).device
+            device = next(iter(self.fused.values())).device
+            unscaled, into_fp32 = self._scaled_gradients(harvested, separate)
             context[loss_scaling.CONTEXT_KEY] = loss_scaling.ScalingPlan(
-                scale_index, list(harvested.updates), set(separate), *grad_scaler.settings(scaler),
-                in_backward=self.options.optimizer_in_backward)
+                scale_index, unscaled, into_fp32, *grad_scaler.settings(scaler),
+                in_backward=self.options.optimizer_in_backward, agree_group=self._found_inf_group())
         float_lr = {g: torch.zeros((), dtype=torch.float64) for g in groups
                     if not isinstance(self._lr(g), torch.Tensor)}
         existing = [(names[name], key) for name, key in state_keys if (name, key) not in created]
@@ -366,6 +377,19 @@ class ShardedStep(OptimizerInBackwardStep):
         """The fp32 master shards (master_weights): they persist, so they are inputs of the graph."""
         buckets = {self.sharded.shard_name(b): b for b in self.sharded.layout.buckets}
         return [name for name in names if self.sharded.has_master(buckets[name])]
+
+    def _scaled_gradients(self, harvested, separate):
+        """Every bucketed parameter's own gradient: each rank unscales and checks its gradients before
+        the reduction (unscaling is exact: the scale is a power of two), into fp32 for the buckets
+        updated on fp32 masters (they are reduced in fp32 anyway)."""
+        buckets = self.sharded.layout.buckets
+        return ([self.names[i] for b in buckets for i in b.params],
+                {self.names[i] for b in buckets if self.sharded.has_master(b) for i in b.params})
+
+    def _found_inf_group(self):
+        """An inf/nan in one rank's gradients reaches every rank's averaged gradients: every rank
+        skips. One all_reduce of the local flags decides (Megatron: of found_inf over the DP group)."""
+        return self.sharded.pg.name
 
     def _make_plan(self, harvested, lr_index, state_index, param_index):
         from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives

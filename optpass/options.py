@@ -226,11 +226,6 @@ def _check_master_weights(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("master_weights needs the optimizer whose update runs on the masters: "
                            "options={'optimizer': opt, 'master_weights': torch.float32}")
-    if options.clip_grad_norm is not None and options.data_parallel is not None:
-        raise OptpassError(
-            f"clip_grad_norm with master_weights and data_parallel={options.data_parallel!r} is not "
-            f"supported yet ({MASTER_WEIGHTS_ISSUE}: the global fp32 norm of the sharded gradients). Use "
-            "clip_grad_norm with master_weights on one rank, or zero1 with master_weights without clipping.")
     if options.data_parallel is None:        # with zero1, shard_optimizer updates the master shards
         _require_pass(options, "master_weights", "master_weights")
 
@@ -248,12 +243,6 @@ def _check_grad_scaler(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("grad_scaler needs the optimizer whose update it skips on inf/nan: "
                            "options={'optimizer': opt, 'grad_scaler': scaler}")
-    if options.data_parallel is not None:
-        raise OptpassError(
-            f"grad_scaler with data_parallel={options.data_parallel!r} is not supported yet "
-            f"({MASTER_WEIGHTS_ISSUE}, part 3: every rank must agree on the found-inf flag, one all-reduce). "
-            "Train data-parallel without grad_scaler (bf16, optionally with master_weights), or use "
-            "grad_scaler on one rank.")
     if options.accumulation_steps > 1:
         raise OptpassError(
             "grad_scaler with accumulation_steps > 1 is not supported yet: the micro-steps' gradients "

@@ -347,8 +347,6 @@ def refused(step, *args) -> str:
 
 @pytest.mark.parametrize("options, message", [
     ({"grad_scaler": "scaler"}, "grad_scaler needs the optimizer"),
-    ({"grad_scaler": "scaler", "optimizer": "opt", "data_parallel": "zero1"},
-     "grad_scaler with data_parallel='zero1' is not supported yet"),
     ({"grad_scaler": "scaler", "optimizer": "opt", "optimizer_in_backward": True, "accumulation_steps": 2},
      "grad_scaler with accumulation_steps > 1 is not supported yet"),
     ({"grad_scaler": "scaler", "optimizer": "opt", "disable_passes": ["loss_scaling"]},

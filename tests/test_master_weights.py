@@ -348,8 +348,6 @@ def test_explain_shows_the_master_update_and_trains_nothing():
     ({"master_weights": torch.float32}, "master_weights needs the optimizer"),
     ({"master_weights": torch.bfloat16, "optimizer": "opt"}, "must be torch.float32"),
     ({"master_weights": "float32", "optimizer": "opt"}, "'master_weights' must be None or dtype"),
-    ({"master_weights": torch.float32, "optimizer": "opt", "data_parallel": "zero1", "clip_grad_norm": 1.0},
-     "clip_grad_norm with master_weights and data_parallel='zero1' is not supported yet \\(issue 13"),
     ({"master_weights": torch.float32, "optimizer": "opt", "disable_passes": ["master_weights"]},
      "needs the pass master_weights"),
 ])

@@ -1,10 +1,12 @@
 """data_parallel='zero1' with master_weights=torch.float32 (Megatron's distributed optimizer) on 2
 and 3 gloo ranks: parity with Megatron's step, what each rank holds, checkpoints that reshard, the
-graph diff.
+graph diff; with a grad_scaler (fp16 loss scaling: one rank's inf skips every rank's step) and
+clipping by the global fp32 norm.
 
 Two spawned groups run everything (tests/zero1_master_weights_workers.py, run_all): the 2-rank
 group trains its parity cases, pins the graph diff, saves a checkpoint and resumes it on 2 ranks;
-the 3-rank group trains its parity cases and resumes the 2-rank checkpoint on 3 ranks.
+the 3-rank group trains its parity cases and resumes the 2-rank checkpoint on 3 ranks; both then
+train their grad_scaler cases.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ CASES = {
 }
 
 
+# With a grad_scaler (fp16): at INF_STEP only the last rank's batch holds an inf. Clipping by the
+# global fp32 norm in two cases (after backward: zero1 clips there).
+SCALED_CASES = {
+    2: [{"optimizer": "AdamW", "in_backward": False, "partition": "even", "gain": True},
+        {"optimizer": "SGD", "in_backward": True, "partition": "greedy", "plan": "reduce_scatter"},
+        {"optimizer": "AdamW", "in_backward": False, "partition": "greedy", "clip": 0.05}],
+    3: [{"optimizer": "AdamW", "in_backward": True, "partition": "greedy", "gain": True},
+        {"optimizer": "SGD", "in_backward": False, "partition": "even", "plan": "reduce_scatter", "clip": 0.05}],
+}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{world: per-rank [parity results, ...]}; the 2-rank group's checkpoint is resumed on 3."""
@@ -43,9 +56,10 @@ def ranks(tmp_path_factory):
     two = values(run_ranks(2, workers.run_all, [("parity", CASES[2]), ("rewritten_graph_diff",),
                                                 ("checkpoint_phase", "save", path),
                                                 ("checkpoint_phase", "load", path),
-                                                ("refused_without_half_precision",)], timeout_s=900))
-    three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path)],
-                             timeout_s=900))
+                                                ("refused_without_half_precision",),
+                                                ("scaled_parity", SCALED_CASES[2])], timeout_s=900))
+    three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path),
+                                                  ("scaled_parity", SCALED_CASES[3])], timeout_s=900))
     return {2: two, 3: three}
 
 
@@ -53,7 +67,7 @@ def _label(world: int, case: dict) -> str:
     return (f"{world} ranks/{case['optimizer']}/{case['dtype']}/{case['partition']}/"
             f"{'in' if case['in_backward'] else 'after'}-backward/{case.get('lower', 'eager')}"
             f"{'/fp32 gain' if case.get('gain') else ''}{'/StepLR' if case.get('scheduler') else ''}"
-            f"/{case.get('plan', 'auto')}")
+            f"/{case.get('plan', 'auto')}{'/clip' if case.get('clip') else ''}")
 
 
 def _parity(ranks):
@@ -150,8 +164,8 @@ def test_an_fp32_model_is_refused(ranks):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"clip_grad_norm": 1.0}, "clip_grad_norm with master_weights and data_parallel=.zero1. is not supported yet"),
-    ({"grad_scaler": torch.amp.GradScaler("cpu")}, "grad_scaler with data_parallel=.zero1. is not supported yet"),
+    ({"clip_grad_norm": 1.0, "optimizer_in_backward": True}, "clip_grad_norm with data_parallel=.zero1. and "
+                                                             "optimizer_in_backward is not supported"),
     ({"disable_passes": ["shard_optimizer"]}, "needs the pass shard_optimizer"),
     ({"passes": ["master_weights"]}, "needs the pass shard_optimizer"),
 ])
@@ -172,7 +186,7 @@ def test_checkpoint_saved_on_2_ranks_resumes_exactly_on_2_and_3(ranks):
     loaded on 2 or 3 ranks, the masters and AdamW state are exactly the saved ones; on 2 ranks the
     resumed run ends bitwise where the uninterrupted one does, on 3 ranks bitwise where the
     Megatron-way reference that averaged over 2 ranks for 10 steps and over 3 after does."""
-    _, _, save, load_2, _ = ranks[2][0]
+    save, load_2 = ranks[2][0][2:4]
     load_3 = ranks[3][0][1]
     for loaded in (load_2, load_3):
         assert loaded["loaded"] == save["saved"]
@@ -180,6 +194,52 @@ def test_checkpoint_saved_on_2_ranks_resumes_exactly_on_2_and_3(ranks):
     assert load_2["params"] == save["params"] and load_2["final"] == save["final"]
     assert set(save["saved"]["masters"]) == set(range(7))        # 6 bf16 masters + the fp32 gain
     assert set(save["saved"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+# ------------------------------------------------------------------ with a grad_scaler (fp16)
+
+def _scaled(ranks):
+    for world, per_rank in ranks.items():
+        for rank, jobs in enumerate(per_rank):
+            for result in jobs[-1]:
+                yield world, rank, result
+
+
+def test_with_a_grad_scaler_parameters_masters_and_scale_match_the_megatron_way(ranks):
+    """20 fp16 steps against Megatron's step over N ranks with a GradScaler (scaled backward per
+    rank, fp32 average, unscale_, [clip], step skipped on inf/nan, update): parameters and masters
+    bitwise against torch.optim's step as torch.compile computes it (3 ranks: within one ulp, gloo
+    sums in another order); against eager torch.optim one step at a time, within one fp16 ulp and
+    1e-5 of the masters. Scale and growth tracker equal the reference's after every step."""
+    for world, rank, result in _scaled(ranks):
+        label = (rank, _label(world, result), result)
+        assert result["scales_equal"], label
+        assert result["ulps"] <= (0 if world == 2 else 1) and result["master"] <= 1e-6, label
+        assert result["eager_ulps"] <= 1 and result["eager_master"] <= 1e-5, label
+        assert result["every_step_sharded"], label
+
+
+def test_one_ranks_inf_skips_the_step_on_every_rank(ranks):
+    """Only the last rank's gradients hold the inf; every rank skips (nothing changes: parameters,
+    master shards, state shards incl. Adam's step), backs off the scale and counts one more skip."""
+    for world, per_rank in ranks.items():
+        for index in range(len(SCALED_CASES[world])):
+            results = [jobs[-1][index] for jobs in per_rank]
+            label = _label(world, results[0])
+            assert all(r["inf_step_unchanged"] for r in results), label
+            assert len({r["skipped"] for r in results}) == 1 and results[0]["skipped"] >= 1, label
+
+
+def test_the_found_inf_flag_costs_one_all_reduce_per_step(ranks):
+    """Beside the plan's collectives, one all_reduce of a 0-d flag (with clip_grad_norm: one more, of
+    the squared norm)."""
+    for world, rank, result in _scaled(ranks):
+        found = result["collectives"]
+        flags = 1 + (1 if result.get("clip") else 0)
+        if result.get("plan") == "reduce_scatter":
+            assert found["all_reduce"] == [flags, 4 * flags], _label(world, result)
+        else:
+            assert found["all_reduce"][0] > flags, _label(world, result)
 
 
 class TestShardOptimizerWithMastersGraph(TestCase):

@@ -346,3 +346,132 @@ def rewritten_graph_diff(rank: int, world: int) -> str:
             step(x, y)
     report = [r for r in optpass.recent_reports() if r.graph_after is not None][-1]
     return optpass.graph_diff(report.graph_before, report.graph_after, context=0)
+
+
+# ------------------------------------------------------------------ with a grad_scaler (fp16)
+#
+# At INF_STEP only the last rank's batch holds an inf, so only that rank's own gradients are
+# non-finite. The reference (``ScaledDataParallelMegatron``) is Megatron's fp16 step over N ranks
+# driven by a real GradScaler: each rank's scaled fp16 gradients cast to fp32 and averaged,
+# ``scaler.unscale_`` of the averaged fp32 main gradients, [clip], ``scaler.step`` (skipped when any
+# rank's gradients held an inf/nan: the average does too), ``scaler.update()``, masters copied back.
+
+INF_STEP = 7
+SCALER = dict(init_scale=2.0 ** 14, growth_interval=3)
+
+
+def batches_with_inf(step: int, world: int) -> list:
+    """Every rank's batch of global batch `step`; at INF_STEP the last rank's holds an inf."""
+    per_rank = batches(step, world)
+    if step == INF_STEP:
+        x, y = per_rank[-1]
+        x = x.clone()
+        x[0, 0] = float("inf")
+        per_rank[-1] = (x, y)
+    return per_rank
+
+
+class ScaledDataParallelMegatron(DataParallelMegatron):
+    """DataParallelMegatron driven by torch.amp.GradScaler: each rank's backward of scale * loss,
+    its fp16 gradients cast to fp32 and averaged into the main gradients, scaler.unscale_ of those,
+    [clip_grad_norm_ of the fp32 main gradients], scaler.step (skipped on inf/nan), scaler.update."""
+
+    def __init__(self, model: nn.Module, make_optimizer, update: str = "eager", clip: float | None = None):
+        super().__init__(model, make_optimizer, update)
+        self.scaler = torch.amp.GradScaler("cpu", **SCALER)
+        self.clip = clip
+        self.opt.step = self.update                  # what scaler.step(opt) calls
+
+    def step(self, per_rank: list, loss_fn=workers.loss_fn):
+        params = list(self.model.parameters())
+        grads = []
+        for x, y in per_rank:
+            self.scaler.scale(loss_fn(self.model, x, y)).backward()
+            grads.append([p.grad.float() for p in params])
+            for p in params:
+                p.grad = None
+        for master, rank_grads in zip(self.masters, zip(*grads)):
+            master.grad = sum(rank_grads[1:], rank_grads[0]) / len(per_rank)
+        self.scaler.unscale_(self.opt)
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.clip)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(params, self.masters):
+                if master is not p:
+                    p.copy_(master)
+
+    def start_from(self, model: nn.Module, full: dict, scaler=None) -> None:
+        super().start_from(model, full)
+        self.scaler.load_state_dict(scaler.state_dict())
+
+
+def compile_scaled_step(model, opt, scaler, case: dict):
+    return torch.compile(workers.make_step(model, opt), backend="optpass", options={
+        "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32, "grad_scaler": scaler,
+        "lower": "eager", "partition": case["partition"], "optimizer_in_backward": case.get("in_backward", False),
+        "bucket_bytes": BUCKET_BYTES, "collectives": case.get("plan", "auto"),
+        "clip_grad_norm": case.get("clip")})
+
+
+def scaled_parity(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Train each case STEPS steps with zero1 + master_weights + grad_scaler against two references:
+    ``compiled`` (torch.optim's step as torch.compile computes it) over the whole run, and
+    ``eager`` (eager torch.optim), each step started from the zero1 run's state."""
+    results = []
+    for case in cases:
+        began = time.monotonic()
+        torch._dynamo.reset()
+        with optpass.keep_graphs():
+            result = _scaled_parity_case(rank, world, case)
+        results.append({**case, **result, "seconds": time.monotonic() - began})
+    return results
+
+
+def _scaled_parity_case(rank: int, world: int, case: dict) -> dict:
+    start = Model(torch.float16, case.get("gain", False))
+    model = copy.deepcopy(start)
+    opt = make_optimizer(case["optimizer"], list(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    make = functools.partial(make_optimizer, case["optimizer"])
+    compiled_ref = ScaledDataParallelMegatron(copy.deepcopy(start), make, update="compiled", clip=case.get("clip"))
+    eager_ref = ScaledDataParallelMegatron(copy.deepcopy(start), make, clip=case.get("clip"))
+    step = compile_scaled_step(model, opt, scaler, case)
+    optpass.report.clear_reports()
+    eager_ulps, eager_master, scales_equal, inf_step_unchanged = 0, 0.0, True, None
+    for i in range(STEPS):
+        per_rank = batches_with_inf(i, world)
+        if i:
+            eager_ref.start_from(model, gather(opt, model), scaler)
+        before = gather(opt, model) if i == INF_STEP else None
+        params_before = [p.detach().clone() for p in model.parameters()] if i == INF_STEP else None
+        step(*per_rank[rank])
+        assert all(p.grad is None for p in model.parameters())
+        compiled_ref.step(per_rank)
+        eager_ref.step(per_rank)
+        full = gather(opt, model)
+        if before is not None:          # the skipped step changed no parameter, master or state tensor
+            inf_step_unchanged = (all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
+                                  and _same_full(before, full))
+        scales_equal &= (scaler.get_scale(), scaler._get_growth_tracker()) == \
+            (compiled_ref.scaler.get_scale(), compiled_ref.scaler._get_growth_tracker())
+        eager_ulps = max(eager_ulps, param_ulps(model, eager_ref))
+        eager_master = max(eager_master, master_rel_diff(full, eager_ref))
+    steps = [r for r in optpass.recent_reports() if r.kind is optpass.GraphKind.STEP]
+    return {
+        "dtype": "fp16", "ulps": param_ulps(model, compiled_ref),
+        "master": master_rel_diff(gather(opt, model), compiled_ref),
+        "eager_ulps": eager_ulps, "eager_master": eager_master,
+        "scales_equal": scales_equal, "inf_step_unchanged": inf_step_unchanged,
+        "skipped": optpass.grad_scaler.skipped_steps(scaler), "reference_scale": compiled_ref.scaler.get_scale(),
+        "collectives": collectives_in(steps[-1].graph_after),
+        "every_step_sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
+                                  for r in steps),
+    }
+
+
+def _same_full(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["masters"][i], b["masters"][i]) for i in a["masters"])
+            and all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i]))

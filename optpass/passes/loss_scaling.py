@@ -37,9 +37,17 @@ optimizer state (``step`` counters included), and the scale backs off or grows b
 unscaled loss (the scaled one only feeds backward). Inside backward it costs one
 extra backward (bench/optimizer_in_backward.py, variant optpass-scaler).
 
-Refuses (``options.py``, ``legality.py``): data_parallel (not yet), accumulation,
-fp16 parameters without master_weights (GradScaler refuses to unscale fp16
-gradients), a gradient transform or a GradScaler call in the step.
+With data_parallel='zero1' (``ScalingPlan.agree_group``): each rank unscales and
+checks its own gradients before they are reduced (unscaling by a power of two is
+exact, so before or after the average is the same number), and one all_reduce of
+the ranks' flags decides: an inf/nan on one rank reaches every rank's average, so
+every rank skips (Megatron all-reduces found_inf over the data-parallel group).
+The shard update's new value is guarded too (``shard_optimizer._emit_update``): a
+skipped step gathers the shards as they were.
+
+Refuses (``options.py``, ``legality.py``): accumulation, fp16 parameters without
+master_weights (GradScaler refuses to unscale fp16 gradients), a gradient transform
+or a GradScaler call in the step.
 
     before:                                   after (after backward, SGD on fp16 + masters):
       loss = mse_loss(...); l = mul(loss, s)    (the same)
@@ -66,6 +74,7 @@ from optpass.step import REGION_KEY, UPDATE
 CONTEXT_KEY = "loss_scaling"
 
 aten = torch.ops.aten
+functional = torch.ops._c10d_functional
 convert_element_type = torch.ops.prims.convert_element_type.default
 
 
@@ -80,10 +89,11 @@ class ScalingPlan:
     backoff_factor: float
     growth_interval: int
     in_backward: bool
+    agree_group: str | None = None   # zero1: the ranks' flags are all-reduced in this process group
 
     def digest(self) -> str:
         return repr((self.growth_factor, self.backoff_factor, self.growth_interval, self.in_backward,
-                     sorted(self.fp32_gradients)))
+                     sorted(self.fp32_gradients), self.agree_group))
 
 
 def scale_loss(gm: torch.fx.GraphModule, scale: torch.fx.Node) -> None:
@@ -134,6 +144,8 @@ def run(step, options) -> str | None:
         found_inf = flags[0]
         for flag in flags[1:]:
             found_inf = emit(aten.logical_or.default, found_inf, flag)
+        if plan.agree_group is not None:
+            found_inf = agreed_by_every_rank(emit, found_inf, plan.agree_group)
     step.skip_update = found_inf
     with graph.inserting_before(step.output_node):
         found = emit(convert_element_type, found_inf, torch.float32)
@@ -150,6 +162,14 @@ def run(step, options) -> str | None:
     step.notes.append(f"{len(raw)} gradients unscaled{' into fp32' if plan.fp32_gradients else ''}; "
                       f"the update is skipped on inf/nan (checked {'in a first backward' if plan.in_backward else 'after backward'})")
     return None
+
+
+def agreed_by_every_rank(emit, found_inf: torch.fx.Node, group: str) -> torch.fx.Node:
+    """True on every rank when any rank found an inf/nan: one all_reduce of the local flags (as fp32:
+    gloo sums no bools). Every rank then skips, or none does, and the scales stay equal."""
+    local = emit(convert_element_type, found_inf, torch.float32)
+    total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group))
+    return emit(aten.gt.Scalar, total, 0)
 
 
 def _unscale(emit, gradient: torch.fx.Node, inv_scale: torch.fx.Node, fp32: bool) -> torch.fx.Node:

@@ -324,9 +324,11 @@ def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, collectives, started: 
     owned = [c for c in chunks if c is not None]
     if owned:
         local = sum_all(emit, [squared_norm(emit, c) for c in owned])
+        if local.meta["val"].dtype != torch.float32:   # every rank all-reduces one dtype, whichever
+            local = emit(convert_element_type, local, torch.float32)   # chunks it owns
     else:                                      # this rank owns nothing: it adds 0 to the norm
-        p = plan.sharded.params[0][1]
-        local = emit(aten.full.default, [], 0.0, dtype=p.dtype, layout=torch.strided, device=p.device,
+        device = plan.sharded.params[0][1].device
+        local = emit(aten.full.default, [], 0.0, dtype=torch.float32, layout=torch.strided, device=device,
                      pin_memory=False)
     total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
     coef = clip_coefficient(emit, emit(aten.sqrt.default, total), plan.clip_grad_norm)
@@ -346,7 +348,10 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
     env.update({ph: inputs[plan.state_index[(shard_name, key)]] for key, ph in update.states.items()})
     env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
     emit.nodes += copy_slice(emit.step, update, env, write_param=shard_name in plan.master_index)
-    return env[update.writes[update.param]]
+    new = env[update.writes[update.param]]
+    if emit.step.skip_update is not None:     # grad_scaler: a skipped step gathers the shard as it was
+        new = emit(aten.where.self, emit.step.skip_update, shard, new)
+    return new
 
 
 # ---------------------------------------------------------------- collective plans
