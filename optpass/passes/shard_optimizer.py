@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.fx
@@ -322,13 +323,17 @@ def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, collectives, started: 
     layout, group_name = plan.sharded.layout, plan.sharded.pg.name
     chunks = [collectives.finish_reduce(emit, bucket, started[bucket.index]) for bucket in layout.buckets]
     owned = [c for c in chunks if c is not None]
+    # every rank all-reduces one dtype, whichever chunks it owns: fp32 at least (the masters' or
+    # the chunks' widest, e.g. fp64)
+    dtype = functools.reduce(torch.promote_types, [_chunk_dtype(plan.sharded, b) for b in layout.buckets],
+                             torch.float32)
     if owned:
         local = sum_all(emit, [squared_norm(emit, c) for c in owned])
-        if local.meta["val"].dtype != torch.float32:   # every rank all-reduces one dtype, whichever
-            local = emit(convert_element_type, local, torch.float32)   # chunks it owns
+        if local.meta["val"].dtype != dtype:
+            local = emit(convert_element_type, local, dtype)
     else:                                      # this rank owns nothing: it adds 0 to the norm
         device = plan.sharded.params[0][1].device
-        local = emit(aten.full.default, [], 0.0, dtype=torch.float32, layout=torch.strided, device=device,
+        local = emit(aten.full.default, [], 0.0, dtype=dtype, layout=torch.strided, device=device,
                      pin_memory=False)
     total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
     coef = clip_coefficient(emit, emit(aten.sqrt.default, total), plan.clip_grad_norm)
@@ -497,6 +502,11 @@ def _own(emit: _Emitter, value: torch.fx.Node) -> torch.fx.Node:
 def _param_dtype(sharded, bucket) -> torch.dtype:
     """The dtype of the bucket's parameters (one per bucket), which the gather carries."""
     return sharded.params[bucket.params[0]][1].dtype
+
+
+def _chunk_dtype(sharded, bucket) -> torch.dtype:
+    """The dtype of the bucket's reduced gradient chunk: fp32 for a bucket on fp32 masters."""
+    return sharded.master_dtype if sharded.has_master(bucket) else _param_dtype(sharded, bucket)
 
 
 def _in_reduction_dtype(emit: _Emitter, sharded, bucket, flat: torch.fx.Node) -> torch.fx.Node:
