@@ -99,3 +99,79 @@ def run_child(cmd: list[str], env: dict | None = None, timeout: float | None = N
         max(0.0, (cpu_after - cpu_before) - (ours_after - ours_before)) / wall, 2)
     result["stderr_warnings"] = sorted({ln.strip() for ln in proc.stderr.splitlines() if "Warning" in ln})[:20]
     return result
+
+
+class LiveTensorBytes:
+    """Child side: the peak of live CPU tensor bytes, from the profiler's allocation events.
+
+    What ``torch.cuda.max_memory_allocated()`` is on a GPU, for CPU tensors: every
+    allocation and free of the c10 CPU allocator while profiling is on is reported
+    with ``total_allocated``, the allocator's running sum of the bytes it handed out
+    since profiling started and has not got back (kept under its lock, so in true
+    order). Its maximum is the peak of live tensor bytes: no glibc retention, no
+    compile state, no tensors that were alive before ``start()`` (imports).
+
+    The profiler is enabled through ``torch.autograd._enable_profiler`` with
+    ``profile_memory=True`` and only the user scope, so it records allocations and
+    ``mark()`` ranges but not one event per operator (the public
+    ``torch.profiler.profile`` records every op, compiling included, which costs RSS
+    and time). Caveat: the reporting is per thread; only threads that run with the
+    profiler's thread-local state are seen (the main thread, autograd's), so a
+    tensor freed on another thread (a gloo worker) would be missed: ``stop()``
+    returns the live bytes at the end of every mark, which shows such drift.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.names: set[str] = set()
+
+    def start(self) -> None:
+        import torch
+        from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
+                                        _ExperimentalConfig)
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        torch.autograd._prepare_profiler(config, {ProfilerActivity.CPU})
+        torch.autograd._enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+        self.on = True
+
+    def mark(self, name: str):
+        """A context manager: a named range whose own peak and end value ``stop()`` reports."""
+        import contextlib
+
+        import torch
+        self.names.add(name)
+        return torch.profiler.record_function(name) if self.on else contextlib.nullcontext()
+
+    def stop(self) -> dict:
+        """Stop profiling; ``peak_bytes``, ``end_bytes``, ``events`` and per mark
+        ``{name: {"peak_bytes", "end_bytes"}}`` (``end_bytes``: live at the range's end);
+        a name marked twice keeps its last range."""
+        import torch
+        from torch._C._profiler import _EventType
+
+        result = torch.autograd._disable_profiler()
+        self.on = False
+        allocs, marks, stack = [], [], list(result.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if e.tag == _EventType.Allocation:
+                allocs.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
+            elif e.tag == _EventType.TorchOp and e.name in self.names:   # not torch's own (gloo:..., Optimizer...)
+                marks.append((e.start_time_ns, e.start_time_ns + e.duration_time_ns, e.name))
+        allocs.sort()
+        running = running_peak = 0
+        for _, _, size in allocs:                      # cross-check: the sum of the sizes, in time order
+            running += size
+            running_peak = max(running_peak, running)
+        import bisect
+        times = [a[0] for a in allocs]
+        per_mark = {}
+        for t0, t1, name in sorted(marks):
+            i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+            live_at_start = allocs[i - 1][1] if i else 0
+            per_mark[name] = {"peak_bytes": max([live_at_start] + [a[1] for a in allocs[i:j]]),
+                              "end_bytes": allocs[j - 1][1] if j else 0}
+        return {"peak_bytes": max((a[1] for a in allocs), default=0),
+                "end_bytes": allocs[-1][1] if allocs else 0,
+                "running_sum_peak_bytes": running_peak, "events": len(allocs), "marks": per_mark}

@@ -33,7 +33,22 @@ compile, warm-up, measured steps), read before anything resets it; B/param =
 what compiling adds to the process (Dynamo/Inductor state and generated code),
 which the eager by-hand reference does not pay: the line "compile overhead" says
 how much that is (RSS growth of the same compile on a width-64 copy of the model).
-The steady-state peak (VmHWM reset after warm-up) is printed beside it. Step time:
+The steady-state peak (VmHWM reset after warm-up) is printed beside it.
+
+Beside the headline, never instead of it: the **live-tensor peak** ("tensors B/p"),
+the most bytes of CPU tensors alive at once over the whole run (from before the
+model is built through the last measured step, the first step included) -- what
+``torch.cuda.max_memory_allocated()`` reports on a GPU: the tensor design's peak,
+without glibc's retention or the compile state. It is the maximum of the CPU
+allocator's ``total_allocated`` in the profiler's allocation events
+(``_measure.LiveTensorBytes``: ``profile_memory=True``, user scope only, so no
+per-operator events), checked exact on a toy (tests/test_bench_measure.py). The
+profiler moves glibc's heap around (by-hand's RSS: 20.14 B/param with it, 17.30
+without), so by default (``--tensor-peak separate``) it runs in a repeat of each
+variant, a fresh process again, whose RSS is not the headline (kept in the JSON as
+``profiled_repeat_bytes_per_param_whole_run``); ``--tensor-peak same`` measures both
+in one process, ``off`` skips it. Also printed: the live-tensor peak of the measured
+steps ("steady") and of the first step ("1st step"). Step time:
 median of the measured steps; ratios against ``by-hand`` (same threads per process).
 
 Usage::
@@ -41,6 +56,7 @@ Usage::
     python3 bench/mixed_precision.py                   # 100.7M params, by-hand, optpass, zero1 on 2 ranks (minutes)
     python3 bench/mixed_precision.py --quick           # 4 x Linear(512, 512): smoke run
     python3 bench/mixed_precision.py --variants by-hand,optpass,optpass-after --json out.json
+    python3 bench/mixed_precision.py --tensor-peak off               # the RSS headline only (half the processes)
 
 The parent never imports torch.
 """
@@ -58,7 +74,7 @@ import sys
 import tempfile
 import time
 
-from _measure import RESULT_PREFIX, emit_result, median, proc_status_kib, reset_peak_rss, run_child
+from _measure import RESULT_PREFIX, LiveTensorBytes, emit_result, median, proc_status_kib, reset_peak_rss, run_child
 
 VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1")
 DEFAULT_VARIANTS = ("by-hand", "optpass", "zero1")
@@ -88,14 +104,18 @@ def run_variant(args) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     rss_after_imports_kib = proc_status_kib("VmRSS")
+    live = LiveTensorBytes()            # live tensor bytes from here on (profiler allocation events)
+    if args.profile_child:
+        live.start()
 
-    torch.manual_seed(0)
-    model = MLP((args.width,) * (args.layers + 1)).to(torch.bfloat16)
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    g = torch.Generator().manual_seed(1 + rank)
-    data = [(torch.randn(args.batch, args.width, generator=g).to(torch.bfloat16),
-             torch.randn(args.batch, args.width, generator=g)) for _ in range(4)]
+    with live.mark("build"):
+        torch.manual_seed(0)
+        model = MLP((args.width,) * (args.layers + 1)).to(torch.bfloat16)
+        params = list(model.parameters())
+        n_params = sum(p.numel() for p in params)
+        g = torch.Generator().manual_seed(1 + rank)
+        data = [(torch.randn(args.batch, args.width, generator=g).to(torch.bfloat16),
+                 torch.randn(args.batch, args.width, generator=g)) for _ in range(4)]
 
     if kind == "by-hand":
         masters = [p.detach().float() for p in params]
@@ -140,7 +160,8 @@ def run_variant(args) -> None:
     for i in range(args.warmup):
         x, y = data[i % len(data)]
         t0 = time.perf_counter()
-        losses.append(float(step(x, y)))
+        with live.mark(f"warmup {i}"):
+            losses.append(float(step(x, y)))
         warmup_s.append(time.perf_counter() - t0)
     hwm_warmup_kib = proc_status_kib("VmHWM")          # since process start: nothing reset it yet
     graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -152,9 +173,11 @@ def run_variant(args) -> None:
         if kind == "zero1":
             torch.distributed.barrier()
         t0 = time.perf_counter()
-        losses.append(float(step(x, y)))
+        with live.mark(f"step {i}"):
+            losses.append(float(step(x, y)))
         times.append(time.perf_counter() - t0)
-    hwm_steady_kib = proc_status_kib("VmHWM")
+    hwm_steady_kib = proc_status_kib("VmHWM")       # read before the profiler's results are built
+    tensors = live.stop() if args.profile_child else None
     if int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) != graphs:
         raise SystemExit(f"{kind}: a graph compiled during the measured steps (raise --warmup)")
     # what holds the fp32 masters and the optimizer state, counted tensor by tensor
@@ -179,10 +202,28 @@ def run_variant(args) -> None:
         "peak_in": "warm-up" if hwm_warmup_kib >= hwm_steady_kib else "steps",
         "bytes_per_param_whole_run": (whole - baseline) / n_params,
         "bytes_per_param_steady": (hwm_steady_kib * 1024 - baseline) / n_params,
-        "peak_reset": reset_ok, "warmup_call_s": warmup_s, "step_times_s": times,
+        "peak_reset": reset_ok,
+        **(_tensor_fields(tensors, n_params, args) if tensors else {}),
+        "warmup_call_s": warmup_s, "step_times_s": times,
         "median_step_s": statistics.median(times), "losses": losses, "graphs": graphs,
         "grads_left": sum(p.grad is not None for p in params),
     })
+
+
+def _tensor_fields(t: dict, n_params: int, args) -> dict:
+    """The live-tensor figures of one child (``LiveTensorBytes.stop()``), bytes and B/param."""
+    marks = t["marks"]
+    steady = max(marks[f"step {i}"]["peak_bytes"] for i in range(args.steps))
+    return {
+        "tensor_peak_bytes": t["peak_bytes"], "bytes_per_param_tensor_peak": t["peak_bytes"] / n_params,
+        "tensor_peak_steady_bytes": steady, "bytes_per_param_tensor_steady": steady / n_params,
+        "tensor_peak_first_step_bytes": marks["warmup 0"]["peak_bytes"] if args.warmup else None,
+        "tensor_peak_in": max(marks, key=lambda k: marks[k]["peak_bytes"]),
+        "tensor_peak_by_mark": {k: v["peak_bytes"] for k, v in marks.items()},
+        # live after the model is built and after every step: constant across steps unless a free was missed
+        "tensor_live_after": {k: v["end_bytes"] for k, v in marks.items()},
+        "tensor_running_sum_peak_bytes": t["running_sum_peak_bytes"], "tensor_events": t["events"],
+    }
 
 
 # ====================================================================== parent side
@@ -195,22 +236,24 @@ def _env(args, tag: str) -> tuple[dict, str]:
     return env, cache_dir
 
 
-def _cmd(args, variant: str, width: int | None = None) -> list[str]:
+def _cmd(args, variant: str, width: int | None = None, profile: bool = False) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
             "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world)]
+            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world)] + (
+            [] if profile else ["--no-tensor-peak"])
 
 
-def _spawn(args, variant: str, width: int | None = None) -> list[dict]:
-    """One process (or --world rank processes for zero1); their results, by rank."""
+def _spawn(args, variant: str, width: int | None = None, profile: bool = False) -> list[dict]:
+    """One process (or --world rank processes for zero1); their results, by rank. ``profile``: the
+    child measures the live-tensor peak (the profiler on, from before the model is built)."""
     env, cache_dir = _env(args, variant)
     try:
         if variant != "zero1":
-            return [run_child(_cmd(args, variant, width), env, args.child_timeout)]
+            return [run_child(_cmd(args, variant, width, profile), env, args.child_timeout)]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen(_cmd(args, variant, width) + ["--rank", str(r), "--port", str(port)],
+        procs = [subprocess.Popen(_cmd(args, variant, width, profile) + ["--rank", str(r), "--port", str(port)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(args.world)]
         results = []
@@ -227,6 +270,10 @@ def _spawn(args, variant: str, width: int | None = None) -> list[dict]:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
+def _fmt(x) -> str:
+    return "-" if x is None or x != x else f"{x:.2f}"
+
+
 def run_parent(args) -> None:
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
@@ -239,12 +286,24 @@ def run_parent(args) -> None:
     runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in variants:               # interleaved
-            ranks = _spawn(args, v)
+            ranks = _spawn(args, v, profile=args.tensor_peak == "same")
+            if args.tensor_peak == "separate":
+                # the profiler changes glibc's heap layout (by-hand: 20.1 B/param RSS with it, 17.3 without),
+                # so the live-tensor peak comes from a repeat of the same variant; its RSS is kept aside
+                for r, p in zip(ranks, _spawn(args, v, profile=True)):
+                    r.update({k: x for k, x in p.items() if k.startswith(("tensor_", "bytes_per_param_tensor"))})
+                    r["profiled_repeat_bytes_per_param_whole_run"] = p["bytes_per_param_whole_run"]
             runs[v].append(ranks)
             for r in ranks:
                 print(f"  {v:14s} rep {rep} rank {r['rank']}: whole-run peak {r['whole_run_peak_bytes'] / _MB:8.1f} MB"
                       f" ({r['bytes_per_param_whole_run']:.2f} B/param, in {r['peak_in']}), steady "
-                      f"{r['bytes_per_param_steady']:.2f} B/param, step {r['median_step_s'] * 1e3:.0f} ms, warm-up "
+                      f"{r['bytes_per_param_steady']:.2f} B/param | live tensors: peak "
+                      f"{_fmt(r.get('bytes_per_param_tensor_peak'))} B/param (in {r.get('tensor_peak_in', '-')}), "
+                      f"steady {_fmt(r.get('bytes_per_param_tensor_steady'))}"
+                      + (f" (profiled repeat; its RSS {r['profiled_repeat_bytes_per_param_whole_run']:.2f} B/param)"
+                         if "profiled_repeat_bytes_per_param_whole_run" in r else "")
+                      + f" | step {r['median_step_s'] * 1e3:.0f} ms,"
+                      f" warm-up "
                       f"{', '.join(f'{t:.1f}' for t in r['warmup_call_s'])} s, process {r.get('process_wall_s', '-')} s",
                       flush=True)
     # what compiling alone adds to a process: the same variant on a width-64 copy of the model
@@ -258,8 +317,10 @@ def run_parent(args) -> None:
     n = first["n_params"]
     print()
     print(f"parameters {n:,} (bf16: {first['param_bytes'] / _MB:.1f} MB) | MB = 1e6 bytes | medians of "
-          f"{args.repeats} | B/param = (VmHWM - RSS after imports) / parameters")
+          f"{args.repeats} | whole-run / steady B/param (the headline) = (VmHWM - RSS after imports) / parameters"
+          f" | tensors B/param = peak of live tensor bytes (allocated since the imports) / parameters")
     header = (f"{'variant':14s} {'whole-run B/param':>17s} {'goal':>6s} {'steady B/param':>14s} "
+              f"{'tensors B/p':>11s} {'steady':>6s} {'1st step':>8s} "
               f"{'masters B/p':>11s} {'state B/p':>9s} {'compile MB':>10s} {'step ms':>8s} {'/ by-hand':>9s} "
               f"{'grads left':>10s} {'final loss':>11s}")
     print(header)
@@ -271,8 +332,13 @@ def run_parent(args) -> None:
     for v in variants:
         flat = [r for rs in runs[v] for r in rs]
         whole = max(median([r["bytes_per_param_whole_run"] for r in rs]) for rs in zip(*runs[v]))
+        tensor = max(median([r.get("bytes_per_param_tensor_peak") for r in rs]) for rs in zip(*runs[v]))
         s = {
             "bytes_per_param_whole_run": whole,          # zero1: the rank with the higher median
+            "bytes_per_param_tensor_peak": tensor,      # the same, for the peak of live tensor bytes
+            "bytes_per_param_tensor_steady": median([r.get("bytes_per_param_tensor_steady") for r in flat]),
+            "bytes_per_param_tensor_first_step": median([(r.get("tensor_peak_first_step_bytes") or 0) / n
+                                                         if "tensor_peak_bytes" in r else None for r in flat]),
             "bytes_per_param_steady": median([r["bytes_per_param_steady"] for r in flat]),
             "master_bytes_per_param": median([r["master_bytes"] for r in flat]) / n,
             "state_bytes_per_param": median([r["state_bytes"] for r in flat]) / n,
@@ -284,10 +350,13 @@ def run_parent(args) -> None:
         }
         s["step_over_by_hand"] = s["median_step_ms"] / hand_ms if hand_ms else None
         s["goal_met"] = None if s["goal"] is None else whole <= s["goal"]
+        s["goal_met_tensor_peak"] = None if s["goal"] is None or tensor != tensor else tensor <= s["goal"]
         summary[v] = s
         goal = "-" if s["goal"] is None else f"{s['goal']:.1f}"
         ratio = "-" if s["step_over_by_hand"] is None else f"{s['step_over_by_hand']:.2f}"
         print(f"{v:14s} {whole:17.2f} {goal:>6s} {s['bytes_per_param_steady']:14.2f} "
+              f"{_fmt(tensor):>11s} {_fmt(s['bytes_per_param_tensor_steady']):>6s} "
+              f"{_fmt(s['bytes_per_param_tensor_first_step']):>8s} "
               f"{s['master_bytes_per_param']:11.2f} {s['state_bytes_per_param']:9.2f} "
               f"{s['compile_overhead_mb']:10.1f} {s['median_step_ms']:8.0f} {ratio:>9s} {s['grads_left']:10d} "
               f"{s['final_loss']:11.6f}")
@@ -298,7 +367,8 @@ def run_parent(args) -> None:
             net = s["bytes_per_param_whole_run"] - s["compile_overhead_mb"] * _MB / n
             print(f"{v}: whole-run peak {s['bytes_per_param_whole_run']:.2f} B/param{per} "
                   f"[goal <= {s['goal']}: {'met' if s['goal_met'] else 'NOT met'}]; without the compile overhead "
-                  f"{net:.2f} B/param")
+                  f"{net:.2f} B/param; live-tensor peak {_fmt(s['bytes_per_param_tensor_peak'])} B/param "
+                  f"[{'-' if s['goal_met_tensor_peak'] is None else 'met' if s['goal_met_tensor_peak'] else 'NOT met'}]")
     print(f"total {time.perf_counter() - started:.0f} s")
     out = {"config": vars(args), "n_params": n, "summary": summary, "runs": runs}
     print("JSON: " + json.dumps({k: out[k] for k in ("config", "n_params", "summary")}))
@@ -319,6 +389,10 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="threads per process (zero1: per rank)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks for the zero1 variant")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    p.add_argument("--tensor-peak", choices=("separate", "same", "off"), default="separate",
+                   help="live-tensor peak: from a profiled repeat of each variant (default), from the same "
+                        "process as the RSS headline (the profiler then perturbs the RSS), or not at all")
+    p.add_argument("--no-tensor-peak", dest="profile_child", action="store_false", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     p.add_argument("--child-timeout", type=int, default=1800)
