@@ -1,15 +1,27 @@
-"""bench/_measure.py's live-tensor peak counts exactly the bytes of the tensors alive at once."""
+"""bench/_measure.py's live-tensor peak counts exactly the bytes of the tensors alive at once.
 
+The allocator's running total carries over from earlier profiler sessions in the same process
+(the bench measures in a fresh process per variant), so the toy runs in a fresh process too."""
+
+import json
 import pathlib
+import subprocess
 import sys
 
-import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-from _measure import LiveTensorBytes  # noqa: E402
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 
 
 def test_live_tensor_peak_is_exact():
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(BENCH)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == "ok"
+
+
+def _toy() -> None:
+    import torch
+    from _measure import LiveTensorBytes
+
     n, m, base = 8 << 20, 5 << 20, 1 << 20
     before = torch.ones(1 << 18)                 # alive before start(): not counted, nor its free
     live = LiveTensorBytes()
@@ -33,3 +45,8 @@ def test_live_tensor_peak_is_exact():
     assert result["marks"]["one"] == {"peak_bytes": n + base, "end_bytes": base}
     assert result["marks"]["two"] == {"peak_bytes": 2 * m + base, "end_bytes": base}
     assert kept.numel() == base
+
+
+if __name__ == "__main__":
+    _toy()
+    print(json.dumps("ok"))
