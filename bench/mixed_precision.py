@@ -147,7 +147,7 @@ def run_variant(args) -> None:
         options = {"optimizer": opt, "master_weights": torch.float32,
                    "optimizer_in_backward": kind in ("optpass", "zero1")}
         if kind == "zero1":
-            options["data_parallel"] = "zero1"
+            options.update(data_parallel="zero1", bucket_bytes=args.bucket_bytes)
         step = torch.compile(train_step, backend="optpass", options=options)
 
         def state_of():
@@ -240,6 +240,7 @@ def _cmd(args, variant: str, width: int | None = None, profile: bool = False) ->
     return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
             "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world)] + (
+            ["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else []) + (
             [] if profile else ["--no-tensor-peak"])
 
 
@@ -388,6 +389,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="threads per process (zero1: per rank)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks for the zero1 variant")
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help="zero1's bucket_bytes option (default None: optpass's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
     p.add_argument("--tensor-peak", choices=("separate", "same", "off"), default="separate",
                    help="live-tensor peak: from a profiled repeat of each variant (default), from the same "

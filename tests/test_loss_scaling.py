@@ -49,16 +49,7 @@ class ScaledMegatronReference(MegatronReference):
             if master is not p:
                 master.grad = p.grad.float()
                 p.grad = None
-        self.scaler.unscale_(self.opt)
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.clip)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, master in zip(self.model.parameters(), self.masters):
-                if master is not p:
-                    p.copy_(master)
+        self.finish_scaled_step(self.scaler, self.clip)
         return loss.detach()
 
     def start_from(self, model, opt, scaler=None) -> None:

@@ -53,11 +53,27 @@ class MegatronReference:
                 p.grad = None
         self.update()
         self.opt.zero_grad()
-        with torch.no_grad():                          # copy the main params back to the model
-            for p, master in zip(self.model.parameters(), self.masters):
-                if master is not p:
-                    p.copy_(master)
+        self.copy_masters_back()
         return loss.detach()
+
+    def finish_scaled_step(self, scaler, clip: float | None) -> None:
+        """The fp16 step after the fp32 main gradients are set, driven by torch.amp.GradScaler
+        (``opt.step`` is ``self.update``): scaler.unscale_ of the main gradients, [clip by their
+        global norm], scaler.step (skipped on inf/nan), scaler.update, main params copied back."""
+        scaler.unscale_(self.opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, clip)
+        scaler.step(self.opt)
+        scaler.update()
+        self.opt.zero_grad()
+        self.copy_masters_back()
+
+    @torch.no_grad()
+    def copy_masters_back(self) -> None:
+        """Copy the main params back to the model (rounded to its dtype)."""
+        for p, master in zip(self.model.parameters(), self.masters):
+            if master is not p:
+                p.copy_(master)
 
     @torch.no_grad()
     def start_from(self, model: nn.Module, opt) -> None:

@@ -249,25 +249,28 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 
     def test_graph_diff_fp32_all_reduce_master_update_bf16_broadcast(self):
         """Rank 0 of 2 on gloo (collectives "auto": all_reduce + a broadcast per owner), one bucket
-        (bias, then the weight: rank 0's chunk is the bias and the weight's first element): the bf16
-        gradients are cut rank-major, cast to fp32 and all-reduced in place, rank 0 slices its chunk
-        and divides by 2; SGD's own momentum update runs on the fp32 master chunk (an input, written
-        in place); its rounding to bf16 is broadcast from rank 0, rank 1's bf16 chunk received into
-        a bf16 buffer, and both are copied into the parameters; the gradient outputs become None."""
+        (bias, then the weight: rank 0's chunk is the bias and the weight's first element): each bf16
+        gradient is cast to fp32 (before the cat: no bf16 copy of the bucket), cut rank-major and
+        all-reduced in place, rank 0 slices its chunk and divides by 2; SGD's own momentum update runs
+        on the fp32 master chunk (an input, written in place); its rounding to bf16 is broadcast from
+        rank 0, rank 1's bf16 chunk received into a bf16 buffer, and both are copied into the
+        parameters (the weight, cut between the ranks, through slice_scatter: no buffer of its own);
+        the gradient outputs become None."""
         self.assertExpectedInline(self.diff, """\
 --- before
 +++ after
-@@ -25,4 +25,5 @@
+@@ -25,4 +25,6 @@
 -empty_like_0: bf16[1, 3] = aten.empty_like(in0, pin_memory=False)
 -copy_0: bf16[1, 3] = aten.copy(empty_like_0, t_3)
 -empty_like_1: bf16[1] = aten.empty_like(in1, pin_memory=False)
 -copy_1: bf16[1] = aten.copy(empty_like_1, view_0)
 +view_1: bf16[1] = aten.view(view_0, [-1])
++convert_element_type_0: f32[1] = prims.convert_element_type(view_1, torch.float32)
 +view_2: bf16[3] = aten.view(t_3, [-1])
-+cat_0: bf16[4] = aten.cat([view_1, view_2])
-+convert_element_type_0: f32[4] = prims.convert_element_type(cat_0, torch.float32)
-+all_reduce__0: f32[4] = _c10d_functional.all_reduce_(convert_element_type_0, 'sum', '0')
-@@ -30 +31,24 @@
++convert_element_type_1: f32[3] = prims.convert_element_type(view_2, torch.float32)
++cat_0: f32[4] = aten.cat([convert_element_type_0, convert_element_type_1])
++all_reduce__0: f32[4] = _c10d_functional.all_reduce_(cat_0, 'sum', '0')
+@@ -30 +32,26 @@
 -return (detach_0, copy_0, copy_1)
 +wait_tensor_0: f32[4] = _c10d_functional.wait_tensor(all_reduce__0)
 +slice_0: f32[2] = aten.slice.Tensor(wait_tensor_0, 0, 0, 2)
@@ -279,8 +282,8 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +copy_0: f32[2] = aten.copy(in5, fma_0)
 +copy__0: f32[2] = aten.copy_(in6, add_0)
 +copy__1: f32[2] = aten.copy_(in5, copy_0)
-+convert_element_type_1: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
-+broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_1, 0, '0')
++convert_element_type_2: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
++broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_2, 0, '0')
 +empty_0: bf16[2] = aten.empty.memory_format([2], dtype=torch.bfloat16, device=device('cpu'), pin_memory=False)
 +broadcast__1: bf16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
 +wait_tensor_1: bf16[2] = _c10d_functional.wait_tensor(broadcast__0)
@@ -289,7 +292,9 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +view_3: bf16[1] = aten.view(slice_1, [1])
 +copy__2: bf16[1] = aten.copy_(in1, view_3)
 +slice_2: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 1, 2)
-+cat_1: bf16[3] = aten.cat([slice_2, wait_tensor_2])
-+view_4: bf16[1, 3] = aten.view(cat_1, [1, 3])
-+copy__3: bf16[1, 3] = aten.copy_(in0, view_4)
++view_4: bf16[3] = aten.view(in0, [-1])
++slice_scatter_0: bf16[3] = aten.slice_scatter(view_4, slice_2, 0, 0, 1)
++slice_scatter_1: bf16[3] = aten.slice_scatter(slice_scatter_0, wait_tensor_2, 0, 1, 3)
++view_5: bf16[1, 3] = aten.view(slice_scatter_1, [1, 3])
++copy__3: bf16[1, 3] = aten.copy_(in0, view_5)
 +return (detach_0, None, None)""")

@@ -146,8 +146,8 @@ class TestShardOptimizerGraph(TestCase):
         concatenated rank-major without padding, are all-reduced in place as soon as the last
         one is final; after backward rank 0 waits, takes its chunk (/ 2), updates it with SGD's own
         momentum update and broadcasts it, receives rank 1's chunk by broadcast, and copies both
-        into the parameters (the first weight is cut between the ranks); the gradient outputs
-        become None."""
+        into the parameters (the first weight, cut between the ranks, through slice_scatter); the
+        gradient outputs become None."""
         diff = values(run_ranks(2, workers.rewritten_graph_diff))[0]
         self.assertExpectedInline(diff, """\
 --- before
@@ -167,7 +167,7 @@ class TestShardOptimizerGraph(TestCase):
 +view_5: f32[6] = aten.view(t_8, [-1])
 +cat_0: f32[11] = aten.cat([view_2, view_3, view_4, view_5])
 +all_reduce__0: f32[11] = _c10d_functional.all_reduce_(cat_0, 'sum', '0')
-@@ -49 +47,34 @@
+@@ -49 +47,36 @@
 -return (detach_2, copy_0, copy_1, copy_2, copy_3)
 +wait_tensor_0: f32[11] = _c10d_functional.wait_tensor(all_reduce__0)
 +slice_0: f32[6] = aten.slice.Tensor(wait_tensor_0, 0, 0, 6)
@@ -199,7 +199,9 @@ class TestShardOptimizerGraph(TestCase):
 +view_12: f32[2] = aten.view(slice_4, [2])
 +copy__3: f32[2] = aten.copy_(in1, view_12)
 +slice_5: f32[1] = aten.slice.Tensor(wait_tensor_1, 0, 5, 6)
-+cat_2: f32[6] = aten.cat([slice_5, wait_tensor_2])
-+view_13: f32[2, 3] = aten.view(cat_2, [2, 3])
-+copy__4: f32[2, 3] = aten.copy_(in0, view_13)
++view_13: f32[6] = aten.view(in0, [-1])
++slice_scatter_0: f32[6] = aten.slice_scatter(view_13, slice_5, 0, 0, 1)
++slice_scatter_1: f32[6] = aten.slice_scatter(slice_scatter_0, wait_tensor_2, 0, 1, 6)
++view_14: f32[2, 3] = aten.view(slice_scatter_1, [2, 3])
++copy__4: f32[2, 3] = aten.copy_(in0, view_14)
 +return (detach_2, None, None, None, None)""")

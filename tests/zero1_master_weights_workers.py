@@ -71,21 +71,23 @@ class DataParallelMegatron(MegatronReference):
     with grad_reduce_in_fp32), torch.optim updates the fp32 masters, the model takes their rounding."""
 
     def step(self, per_rank: list, loss_fn=workers.loss_fn):
+        self.average_into_main_grads(per_rank, loss_fn, lambda loss: loss.backward())
+        self.update()
+        self.opt.zero_grad()
+        self.copy_masters_back()
+
+    def average_into_main_grads(self, per_rank: list, loss_fn, backward) -> None:
+        """Each rank's backward (``backward(loss)``) of its batch; the fp32 average of their
+        gradients in the masters' ``.grad``; the model's gradients left None."""
         params = list(self.model.parameters())
         grads = []
         for x, y in per_rank:
-            loss_fn(self.model, x, y).backward()
+            backward(loss_fn(self.model, x, y))
             grads.append([p.grad.float() for p in params])
             for p in params:
                 p.grad = None
         for master, rank_grads in zip(self.masters, zip(*grads)):
             master.grad = sum(rank_grads[1:], rank_grads[0]) / len(per_rank)
-        self.update()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, master in zip(params, self.masters):
-                if master is not p:
-                    p.copy_(master)
 
     @torch.no_grad()
     def start_from(self, model: nn.Module, full: dict) -> None:
@@ -383,25 +385,8 @@ class ScaledDataParallelMegatron(DataParallelMegatron):
         self.opt.step = self.update                  # what scaler.step(opt) calls
 
     def step(self, per_rank: list, loss_fn=workers.loss_fn):
-        params = list(self.model.parameters())
-        grads = []
-        for x, y in per_rank:
-            self.scaler.scale(loss_fn(self.model, x, y)).backward()
-            grads.append([p.grad.float() for p in params])
-            for p in params:
-                p.grad = None
-        for master, rank_grads in zip(self.masters, zip(*grads)):
-            master.grad = sum(rank_grads[1:], rank_grads[0]) / len(per_rank)
-        self.scaler.unscale_(self.opt)
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.clip)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, master in zip(params, self.masters):
-                if master is not p:
-                    p.copy_(master)
+        self.average_into_main_grads(per_rank, loss_fn, lambda loss: self.scaler.scale(loss).backward())
+        self.finish_scaled_step(self.scaler, self.clip)
 
     def start_from(self, model: nn.Module, full: dict, scaler=None) -> None:
         super().start_from(model, full)

@@ -16,7 +16,7 @@ facts 7, 15) runs in the background from its call until its ``wait_tensor``:
     new      = <torch.optim update of (shard, chunk, state, lr)>   # shard: its parameters' values
     gathered = <gather>(new)
     full     = <wait>(gathered)                         # 3. after the last read of the old values
-    copy_(p, view(cat(full[pieces of p]), p.shape))     #    for each parameter of the bucket
+    copy_(p, view(slice_scatter(...(flat(p), full[piece of p])...), p.shape))   # each parameter
 
 and every bucketed gradient's output slot becomes None (``p.grad`` stays None,
 the step's ``opt.step()`` does nothing: fact 4).
@@ -52,7 +52,8 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   (its reduce runs while backward computes bucket k+1), stage 3 where bucket
   k+2's are, and never before the last read of bucket k's old parameter values
   (fact 21); the last ones after backward. Each gradient dies at its bucket's
-  cat, and at most two buckets' collective buffers are alive at once.
+  cat. At one place, what frees buffers goes first (``_insertion_order``): the
+  writes of gathers started earlier, then the updates, then the next reduce.
 * clip_grad_norm (not with optimizer_in_backward): stage 1 as by default; after backward
   every bucket's stage 2 waits first, one all_reduce of the chunks' squared norms
   gives the global norm, then the scaled updates, the gathers and the writes.
@@ -66,11 +67,11 @@ bucket that a rank updates is its fp32 master shard ``m``, an input of the graph
 (``zero1.ShardedOptimizer`` keeps it; the shard optimizer's state is fp32 too).
 Only the dtypes change, the collectives stay where they are:
 
-    flat  = convert_element_type(cat([...bf16 gradient pieces...]), f32)  # cast BEFORE the reduction
+    flat  = cat([convert_element_type(bf16 gradient piece, f32) ...])     # cast BEFORE the reduction
     chunk = <wait>(<reduce>(flat))                                         # fp32
     new   = <torch.optim update of (m, chunk[:owned], state, lr)>;  copy_(m, new)
     full  = <wait>(<gather>(convert_element_type(new, bf16)))
-    copy_(p, view(cat(full[pieces of p]), p.shape))
+    copy_(p, view(slice_scatter(...(flat(p), full[piece of p])...), p.shape))
 
 The reduction runs in fp32 (``_in_reduction_dtype``), as Megatron's
 ``grad_reduce_in_fp32``: gloo and NCCL reduce bf16/fp16 too, but a half-precision
@@ -185,11 +186,9 @@ def shard_update(step, plan: ShardPlan) -> None:
             _emit_clipped_update(emit, plan, collectives, started, inputs)
         step.gradient_nodes.clear()
         return
-    # Insert in (place, stage, bucket) order: at one place, every bucket's reduce starts before any
-    # bucket is updated, and every update (so every gather) starts before any gather is waited on.
     gathering: dict[int, object] = {}
     work = sorted(((points[b.index][stage], stage, b) for b in layout.buckets for stage in range(3)),
-                  key=lambda item: (insert.position[item[0]], item[1], item[2].index))
+                  key=lambda item: _insertion_order(plan, points, insert.position, *item))
     for place, stage, bucket in work:
         with insert.after(place) as emit:
             if stage == 0:
@@ -203,6 +202,29 @@ def shard_update(step, plan: ShardPlan) -> None:
                 _emit_parameter_writes(emit, plan, bucket, collectives.finish_gather(
                     emit, bucket, gathering[bucket.index]))
     step.gradient_nodes.clear()
+
+
+def _insertion_order(plan: ShardPlan, points: dict, position: dict, place, stage: int, bucket) -> tuple:
+    """Where a bucket's stage goes among what is inserted at the same place.
+
+    After backward: (place, stage, bucket): every bucket's reduce starts before any bucket is
+    updated, and every update (so every gather) starts before any gather is waited on.
+
+    optimizer_in_backward (memory first, the gradients being what it saves): at a place in
+    backward, first what frees buffers of buckets started earlier -- the writes of gathers
+    started at an earlier place (their receive buffers), then the updates of reduces started
+    at an earlier place (their fp32/bucket buffers) -- and only then the reduce that allocates
+    the next bucket's buffer. So the next bucket's buffer is never alive together with the one
+    before it (measured, bench/mixed_precision.py: one bucket's fp32 buffer less at the peak); the
+    next reduce starts one shard update later, and still runs while backward computes the
+    bucket after it. A stage that follows a stage of its own bucket at this same place (the
+    last buckets, at the end of the graph) keeps its bucket's order."""
+    at = position[place]
+    if not plan.in_backward:
+        return (at, stage, bucket.index)
+    started_earlier = stage > 0 and position[points[bucket.index][stage - 1]] < at
+    group = {(2, True): 0, (1, True): 1, (0, False): 2, (1, False): 3, (2, False): 4}[(stage, started_earlier)]
+    return (at, group, bucket.index)
 
 
 def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
@@ -287,7 +309,11 @@ class _Emitter:
 
 
 def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
-    return {i: emit.flat(gradients[plan.names[i]]) for i in bucket.params}
+    """Each gradient of the bucket flat, in the reduction's dtype: cast one by one before they are
+    joined, so Inductor writes the fp32 bucket straight from the bf16/fp16 gradients (a cast after
+    the join would first materialize the joined half-precision bucket: one more bucket of bytes)."""
+    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(gradients[plan.names[i]]))
+            for i in bucket.params}
 
 
 def _emit_shard_update(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: dict) -> torch.fx.Node | None:
@@ -308,13 +334,21 @@ def _emit_shard_update(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: d
 
 def _emit_parameter_writes(emit: _Emitter, plan: ShardPlan, bucket, gathered: list[tuple]) -> None:
     """Copy every parameter of the bucket from the gathered chunks: `gathered[r]` is (tensor, offset)
-    where rank r's chunk starts."""
+    where rank r's chunk starts. A parameter cut over several chunks is written through a chain of
+    slice_scatter, which Inductor fuses into the copy (a cat would first materialize the parameter
+    in a buffer of its own)."""
     shapes = plan.sharded.layout.shapes
     for i in bucket.params:
-        pieces = [(gathered[r][0], gathered[r][1] + s.offset, gathered[r][1] + s.offset + s.numel)
+        param = emit.step.param_nodes[plan.names[i]]
+        pieces = [(emit.piece(gathered[r][0], gathered[r][1] + s.offset, gathered[r][1] + s.offset + s.numel), s)
                   for r, s in bucket.segments_of(i)]
-        value = emit(aten.view.default, emit.joined(pieces, like=pieces[0][0]), list(shapes[i]))
-        emit(aten.copy_.default, emit.step.param_nodes[plan.names[i]], value)
+        if len(pieces) == 1:
+            value = pieces[0][0]
+        else:
+            value = emit.flat(param)
+            for piece, segment in pieces:
+                value = emit(aten.slice_scatter.default, value, piece, 0, segment.start, segment.stop)
+        emit(aten.copy_.default, param, emit(aten.view.default, value, list(shapes[i])))
 
 
 def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, collectives, started: dict, inputs: dict) -> None:
@@ -352,7 +386,11 @@ def _emit_update(emit: _Emitter, plan: ShardPlan, shard_name: str, shard, gradie
     env = {update.param: shard, update.gradient: gradient}
     env.update({ph: inputs[plan.state_index[(shard_name, key)]] for key, ph in update.states.items()})
     env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
-    emit.nodes += copy_slice(emit.step, update, env, write_param=shard_name in plan.master_index)
+    in_place = shard_name in plan.master_index
+    inserted = copy_slice(emit.step, update, env, write_param=in_place)
+    emit.nodes += inserted
+    if in_place:    # what copy_(master, value) wrote: with grad_scaler already where(skip, master, new)
+        return next(n.args[1] for n in inserted if n.target is aten.copy_.default and n.args[0] is shard)
     new = env[update.writes[update.param]]
     if emit.step.skip_update is not None:     # grad_scaler: a skipped step gathers the shard as it was
         new = emit(aten.where.self, emit.step.skip_update, shard, new)
