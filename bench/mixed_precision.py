@@ -57,6 +57,7 @@ Usage::
     python3 bench/mixed_precision.py --quick           # 4 x Linear(512, 512): smoke run
     python3 bench/mixed_precision.py --variants by-hand,optpass,optpass-after --json out.json
     python3 bench/mixed_precision.py --tensor-peak off               # the RSS headline only (half the processes)
+    python3 bench/mixed_precision.py --variants zero1 --bucket-bytes 16779424   # zero1, one layer per bucket
 
 The parent never imports torch.
 """
