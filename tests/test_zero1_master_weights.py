@@ -54,6 +54,7 @@ def ranks(tmp_path_factory):
     """{world: per-rank [parity results, ...]}; the 2-rank group's checkpoint is resumed on 3."""
     path = str(tmp_path_factory.mktemp("zero1_masters") / "ckpt")
     two = values(run_ranks(2, workers.run_all, [("parity", CASES[2]), ("rewritten_graph_diff",),
+                                                ("rewritten_graph_diff", True),
                                                 ("checkpoint_phase", "save", path),
                                                 ("checkpoint_phase", "load", path),
                                                 ("refused_without_half_precision",),
@@ -159,7 +160,7 @@ def test_an_eager_opt_step_with_gradients_is_refused(ranks):
 
 
 def test_an_fp32_model_is_refused(ranks):
-    message = ranks[2][0][4]
+    message = ranks[2][0][5]
     assert "OptpassError" in message and "none is bfloat16 or float16" in message
 
 
@@ -186,7 +187,7 @@ def test_checkpoint_saved_on_2_ranks_resumes_exactly_on_2_and_3(ranks):
     loaded on 2 or 3 ranks, the masters and AdamW state are exactly the saved ones; on 2 ranks the
     resumed run ends bitwise where the uninterrupted one does, on 3 ranks bitwise where the
     Megatron-way reference that averaged over 2 ranks for 10 steps and over 3 after does."""
-    save, load_2 = ranks[2][0][2:4]
+    save, load_2 = ranks[2][0][3:5]
     load_3 = ranks[3][0][1]
     for loaded in (load_2, load_3):
         assert loaded["loaded"] == save["saved"]
@@ -245,7 +246,89 @@ def test_the_found_inf_flag_costs_one_all_reduce_per_step(ranks):
 class TestShardOptimizerWithMastersGraph(TestCase):
     @pytest.fixture(autouse=True)
     def _from_the_two_rank_group(self, ranks):      # pytest hands fixtures to unittest classes this way
-        self.diff = ranks[2][0][1]
+        self.diff, self.scaled_diff = ranks[2][0][1:3]
+
+    def test_graph_diff_fp16_grad_scaler_flags_agreed_by_one_all_reduce(self):
+        """The same step in fp16 with a GradScaler: backward seeded with the scale; each rank
+        unscales its fp16 gradients into fp32 (before the reduction), checks them for inf/nan and
+        all-reduces its 0-d found-inf flag once (one rank's inf skips every rank's step); the
+        master, momentum and step writes are guarded by where(skip, old, new), and the guarded
+        master (not a second where) is what rank 0 rounds to fp16 and broadcasts; the scale and
+        growth tracker are updated by _amp_update_scale_."""
+        self.assertExpectedInline(self.scaled_diff, """\
+--- before
++++ after
+@@ -11,0 +12,3 @@
++convert_element_type_0: f64[] = prims.convert_element_type(in5, torch.float64)
++reciprocal_0: f64[] = aten.reciprocal(convert_element_type_0)
++convert_element_type_1: f32[] = prims.convert_element_type(reciprocal_0, torch.float32)
+@@ -30,0 +34,6 @@
++abs_0: f16[1] = aten.abs(view_0)
++lt_0: b8[1] = aten.lt.Scalar(abs_0, float('inf'))
++logical_not_0: b8[1] = aten.logical_not(lt_0)
++any_0: b8[] = aten.any(logical_not_0)
++convert_element_type_2: f32[1] = prims.convert_element_type(view_0, torch.float32)
++mul_4: f32[1] = aten.mul.Tensor(convert_element_type_2, convert_element_type_1)
+@@ -32,4 +41,10 @@
+-empty_like_0: f16[1, 3] = aten.empty_like(in0, pin_memory=False)
+-copy_0: f16[1, 3] = aten.copy(empty_like_0, t_3)
+-empty_like_1: f16[1] = aten.empty_like(in1, pin_memory=False)
+-copy_1: f16[1] = aten.copy(empty_like_1, view_0)
++abs_1: f16[1, 3] = aten.abs(t_3)
++lt_1: b8[1, 3] = aten.lt.Scalar(abs_1, float('inf'))
++logical_not_1: b8[1, 3] = aten.logical_not(lt_1)
++any_1: b8[] = aten.any(logical_not_1)
++convert_element_type_3: f32[1, 3] = prims.convert_element_type(t_3, torch.float32)
++mul_5: f32[1, 3] = aten.mul.Tensor(convert_element_type_3, convert_element_type_1)
++view_1: f32[1] = aten.view(mul_4, [-1])
++view_2: f32[3] = aten.view(mul_5, [-1])
++cat_0: f32[4] = aten.cat([view_1, view_2])
++all_reduce__0: f32[4] = _c10d_functional.all_reduce_(cat_0, 'sum', '0')
+@@ -37 +52,43 @@
+-return (detach_0, copy_0, copy_1)
++logical_or_0: b8[] = aten.logical_or(any_0, any_1)
++convert_element_type_4: f32[] = prims.convert_element_type(logical_or_0, torch.float32)
++all_reduce_0: f32[] = _c10d_functional.all_reduce(convert_element_type_4, 'sum', '0')
++wait_tensor_0: f32[] = _c10d_functional.wait_tensor(all_reduce_0)
++gt_0: b8[] = aten.gt.Scalar(wait_tensor_0, 0)
++convert_element_type_5: f32[] = prims.convert_element_type(gt_0, torch.float32)
++_amp_update_scale_0: (f32[], i32[]) = aten._amp_update_scale(in5, in6, convert_element_type_5, 2.0, 0.5, 3)
++getitem_0: f32[] = getitem(_amp_update_scale_0, 0)
++copy__0: f32[] = aten.copy_(in5, getitem_0)
++getitem_1: i32[] = getitem(_amp_update_scale_0, 1)
++copy__1: i32[] = aten.copy_(in6, getitem_1)
++copy__2: f32[] = aten.copy_(in7, convert_element_type_5)
++convert_element_type_6: i64[] = prims.convert_element_type(gt_0, torch.int64)
++add_0: i64[] = aten.add.Tensor(in8, convert_element_type_6)
++copy__3: i64[] = aten.copy_(in8, add_0)
++wait_tensor_1: f32[4] = _c10d_functional.wait_tensor(all_reduce__0)
++slice_0: f32[2] = aten.slice.Tensor(wait_tensor_1, 0, 0, 2)
++div_1: f32[2] = aten.div.Tensor(slice_0, 2)
++mul_6: f32[2] = aten.mul.Tensor(in10, 0.9)
++add_1: f32[2] = aten.add.Tensor(mul_6, div_1)
++neg_0: f32[] = aten.neg(in4)
++fma_0: f32[2] = prims.fma(add_1, neg_0, in9)
++copy_0: f32[2] = aten.copy(in9, fma_0)
++where_0: f32[2] = aten.where.self(gt_0, in10, add_1)
++copy__4: f32[2] = aten.copy_(in10, where_0)
++where_1: f32[2] = aten.where.self(gt_0, in9, copy_0)
++copy__5: f32[2] = aten.copy_(in9, where_1)
++convert_element_type_7: f16[2] = prims.convert_element_type(where_1, torch.float16)
++broadcast__0: f16[2] = _c10d_functional.broadcast_(convert_element_type_7, 0, '0')
++empty_0: f16[2] = aten.empty.memory_format([2], dtype=torch.float16, device=device('cpu'), pin_memory=False)
++broadcast__1: f16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
++wait_tensor_2: f16[2] = _c10d_functional.wait_tensor(broadcast__0)
++wait_tensor_3: f16[2] = _c10d_functional.wait_tensor(broadcast__1)
++slice_1: f16[1] = aten.slice.Tensor(wait_tensor_2, 0, 0, 1)
++view_3: f16[1] = aten.view(slice_1, [1])
++copy__6: f16[1] = aten.copy_(in1, view_3)
++slice_2: f16[1] = aten.slice.Tensor(wait_tensor_2, 0, 1, 2)
++view_4: f16[3] = aten.view(in0, [-1])
++slice_scatter_0: f16[3] = aten.slice_scatter(view_4, slice_2, 0, 0, 1)
++slice_scatter_1: f16[3] = aten.slice_scatter(slice_scatter_0, wait_tensor_3, 0, 1, 3)
++view_5: f16[1, 3] = aten.view(slice_scatter_1, [1, 3])
++copy__7: f16[1, 3] = aten.copy_(in0, view_5)
++return (detach_0, None, None)""")
 
     def test_graph_diff_fp32_all_reduce_master_update_bf16_broadcast(self):
         """Rank 0 of 2 on gloo (collectives "auto": all_reduce + a broadcast per owner), one bucket

@@ -332,17 +332,20 @@ def _exact(full: dict) -> dict:
             "state": {i: {k: v.reshape(-1).tolist() for k, v in s.items()} for i, s in full["state"].items()}}
 
 
-def rewritten_graph_diff(rank: int, world: int) -> str:
+def rewritten_graph_diff(rank: int, world: int, scaled: bool = False) -> str:
     """The shard_optimizer pass's graph diff with fp32 masters on rank 0 of 2: a bf16 Linear(3, 1)
     (4 elements: one bucket; rank 0's chunk is the bias and the weight's first element), SGD with
-    momentum, updates after backward, lower='eager'."""
+    momentum, updates after backward, lower='eager'. ``scaled``: fp16 with a GradScaler (the
+    loss_scaling pass's rewrite too)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = nn.Linear(3, 1).to(torch.bfloat16)
+    dtype = torch.float16 if scaled else torch.bfloat16
+    model = nn.Linear(3, 1).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
     step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
-        "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32, "lower": "eager"})
-    x, y = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(4, 1, dtype=torch.bfloat16)
+        "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32, "lower": "eager",
+        "grad_scaler": torch.amp.GradScaler("cpu", **SCALER) if scaled else None})
+    x, y = torch.randn(4, 3, dtype=dtype), torch.randn(4, 1, dtype=dtype)
     with optpass.keep_graphs():
         for _ in range(2):
             step(x, y)
