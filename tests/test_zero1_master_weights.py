@@ -58,6 +58,7 @@ def ranks(tmp_path_factory):
                                                 ("checkpoint_phase", "save", path),
                                                 ("checkpoint_phase", "load", path),
                                                 ("refused_without_half_precision",),
+                                                ("reduce_buffers_in_backward",),
                                                 ("scaled_parity", SCALED_CASES[2])], timeout_s=900))
     three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path),
                                                   ("scaled_parity", SCALED_CASES[3])], timeout_s=900))
@@ -157,6 +158,17 @@ def test_an_eager_opt_step_with_gradients_is_refused(ranks):
     """It would update the half-precision parameters directly, bypassing the master shards."""
     for world, rank, result in _parity(ranks):
         assert "opt.step() was called with gradients" in result["eager_step_error"], _label(world, result)
+
+
+def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time(ranks):
+    """In Inductor's schedule of the sharded step (masters, optimizer_in_backward, one layer per
+    bucket) each bucket's fp32 reduce buffer is freed by its update before the next bucket's is
+    allocated (shard_optimizer._before_last_gradient): one alive at a time. Before that schedule
+    the update came after the next bucket's last gradient, whose kernel Inductor fuses with the
+    cast into the next buffer: two were alive."""
+    found = ranks[2][0][6]
+    assert found["buckets"] == found["reduce_buffers"] == 4, found
+    assert found["alive_at_once"] == 1, found
 
 
 def test_an_fp32_model_is_refused(ranks):

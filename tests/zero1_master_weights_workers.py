@@ -273,6 +273,29 @@ def _error_of(fn, *args) -> str | None:
     return None
 
 
+def reduce_buffers_in_backward(rank: int, world: int) -> dict:
+    """A bf16 MLP of 4 layers, one layer per bucket, AdamW on fp32 masters, optimizer_in_backward,
+    lowered by Inductor: how many fp32 reduce buffers its generated schedule keeps alive at once
+    (each bucket's update frees its buffer before the next bucket's is allocated: one)."""
+    from optpass.models import MLP
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    width = 32
+    model = MLP((width,) * 5).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
+        "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
+        "optimizer_in_backward": True, "bucket_bytes": (width * width + width) * 2})
+    codes: list[str] = []
+    with workers.inductor_code(codes):
+        for i in range(2):
+            step(torch.randn(8, width, dtype=torch.bfloat16), torch.randn(8, width, dtype=torch.bfloat16))
+    code = next(c for c in codes if "_c10d_functional" in c)
+    alive, buffers = workers.reduce_buffers_alive_at_once(code)
+    return {"alive_at_once": alive, "reduce_buffers": buffers,
+            "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets)}
+
+
 def refused_without_half_precision(rank: int, world: int) -> str:
     """master_weights with zero1 over an fp32 model: the error, as the step raises it."""
     torch._dynamo.reset()

@@ -9,6 +9,7 @@ whole batch, and against DDP + ZeroRedundancyOptimizer.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import torch
@@ -167,6 +168,41 @@ def _inductor_positions(codes: list[str]) -> dict | None:
     return _positions(lines, lambda line: "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line,
                       lambda line: "_c10d_functional.all_reduce" in line or "reduce_scatter_tensor" in line,
                       lambda line: "wait_tensor" in line)
+
+
+def reduce_buffers_alive_at_once(code: str) -> tuple[int, int]:
+    """(most reduce buffers alive at once, reduce buffers) in the schedule of Inductor's generated
+    ``call``: a buffer lives from its ``empty_strided_cpu`` until its last name is deleted (a
+    ``# reuse`` renames it, a ``# alias`` adds a name); a reduce buffer is one an ``all_reduce_``
+    or ``reduce_scatter_tensor`` reads (it may be allocated long before, by the kernel that
+    writes its first piece)."""
+    lines = [line.strip() for line in code[code.index("def call("):].splitlines()]
+
+    def walk(reduce: set) -> tuple[set, int]:
+        storage: dict[str, int] = {}         # name -> storage id (in allocation order)
+        names: dict[int, set] = {}            # storage id -> its live names
+        alive, found, most = set(), set(), 0
+        for line in lines:
+            if m := re.match(r"(buf\d+) = empty_strided_cpu\(", line):
+                storage[m[1]] = len(names)
+                names[len(names)] = {m[1]}
+                alive.add(storage[m[1]])
+            elif (m := re.match(r"(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b", line)) and m[2] in storage:
+                storage[m[1]] = storage[m[2]]
+                names[storage[m[2]]].add(m[1])
+            if m := re.search(r"_c10d_functional\.(?:all_reduce_|reduce_scatter_tensor)\.default\((buf\d+)", line):
+                found.add(storage[m[1]])
+            for name in re.findall(r"\bdel (buf\d+)", line):
+                sid = storage.pop(name, None)
+                if sid is not None:
+                    names[sid].discard(name)
+                    if not names[sid]:
+                        alive.discard(sid)
+            most = max(most, len(alive & reduce))
+        return found, most
+
+    reduce, _ = walk(set())
+    return walk(reduce)[1], len(reduce)
 
 
 @contextlib.contextmanager

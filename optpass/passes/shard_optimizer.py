@@ -48,12 +48,15 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   backward, all buckets' stage 2 before any stage 3, so one bucket's gather runs
   while the next bucket is updated (the update after backward, like
   ZeroRedundancyOptimizer). The gradients live until stage 2, as they would in ``.grad``.
-* optimizer_in_backward: stage 2 of bucket k where bucket k+1's gradients are final
-  (its reduce runs while backward computes bucket k+1), stage 3 where bucket
-  k+2's are, and never before the last read of bucket k's old parameter values
-  (fact 21); the last ones after backward. Each gradient dies at its bucket's
-  cat. At one place, what frees buffers goes first (``_insertion_order``): the
-  writes of gathers started earlier, then the updates, then the next reduce.
+* optimizer_in_backward: stage 2 of bucket k just before the computation of bucket
+  k+1's last gradient (``_before_last_gradient``: its reduce runs while backward
+  computes the rest of bucket k+1, and its buffer is freed before bucket k+1's is
+  allocated), stage 3 where bucket k+1's stage 2 goes, and never before the last
+  read of bucket k's old parameter values (fact 21); the last ones after backward.
+  Each gradient dies at its bucket's cat. At one place, what frees buffers goes
+  first (``_insertion_order``): the writes of gathers started earlier, then the
+  updates, then the next reduce. So at most one bucket's reduce buffer, one layer's
+  gradient and one bucket's gather buffers are alive at once (bench/mixed_precision.py).
 * clip_grad_norm (not with optimizer_in_backward): stage 1 as by default; after backward
   every bucket's stage 2 waits first, one all_reduce of the chunks' squared norms
   gives the global norm, then the scaled updates, the gathers and the writes.
@@ -234,17 +237,40 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
     latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
     buckets = plan.sharded.layout.buckets
     ready = [latest([gradients[plan.names[i]] for i in b.params]) for b in buckets]
+    # optimizer_in_backward: what bucket k waits for goes just before bucket k+1's last gradient
+    # is computed (``_before_last_gradient``), after the end of backward for the last buckets
+    before = [_before_last_gradient(position, [gradients[plan.names[i]] for i in buckets[k + 1].params], ready[k])
+              if plan.in_backward and k + 1 < len(buckets) else end for k in range(len(buckets))]
     points = {}
     for k, bucket in enumerate(buckets):
         if not plan.in_backward:
             points[bucket.index] = (ready[k], end, end)
             continue
-        update = latest([ready[k], ready[k + 1] if k + 1 < len(buckets) else end])
+        update = latest([ready[k], before[k]])
         last_read = latest([last_node_update_must_follow(position, step.param_nodes[plan.names[i]],
                                                          gradients[plan.names[i]]) for i in bucket.params])
-        write = latest([update, last_read, ready[k + 2] if k + 2 < len(buckets) else end])
+        write = latest([update, last_read, before[k + 1] if k + 1 < len(buckets) else end])
         points[bucket.index] = (ready[k], update, write)
     return points
+
+
+def _before_last_gradient(position: dict, bucket_gradients: list, floor: torch.fx.Node) -> torch.fx.Node:
+    """The node after which the update of the bucket before goes: just before the computation of
+    this bucket's last gradient that nothing before needs (its ancestors after this bucket's other
+    gradients and after `floor`, the previous bucket's last gradient). Updating there frees the
+    previous bucket's reduce buffer before Inductor allocates this bucket's (it fuses the cast into
+    the kernel that computes the last gradient, e.g. a bias's sum), while the previous reduce still
+    overlaps everything before: the other gradients' GEMMs."""
+    last = max(bucket_gradients, key=position.__getitem__)
+    bound = max(position[n] for n in [floor] + [g for g in bucket_gradients if g is not last])
+    first, stack, seen = last, [last], {last}
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node not in seen and position[node] > bound:
+                seen.add(node)
+                stack.append(node)
+                first = min(first, node, key=position.__getitem__)
+    return first.prev
 
 
 class _InsertPoints:
