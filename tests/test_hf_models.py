@@ -234,6 +234,41 @@ def test_qwen2_with_changing_sequence_lengths_and_a_smaller_last_batch():
     assert sum(r.kind is GraphKind.STEP for r in optpass.recent_reports()) == 1     # no recompile
 
 
+def test_llama_bf16_master_weights_in_backward_with_changing_lengths_matches_megatron_way():
+    """A bf16 Llama trained as people train large models: fp32 master weights
+    (``master_weights=torch.float32``) with every master updated in backward, sequence lengths
+    8, 12, 16 (marked dynamic), against the Megatron-way eager reference written in
+    test_master_weights.py (fp32 masters, torch.optim over them, bf16 gradients cast, masters
+    copied back; torch.optim's step as torch.compile computes it). Parameters within one bf16
+    ulp, masters to 1e-5 relative, losses equal, one compile for every length."""
+    from test_master_weights import MegatronReference, master_diff, param_ulps
+
+    torch.manual_seed(0)
+    start = transformers.LlamaForCausalLM(decoder_config(transformers.LlamaConfig)).to(torch.bfloat16)
+    model = copy.deepcopy(start)
+    make = lambda params: torch.optim.AdamW(params, lr=1e-3)      # noqa: E731
+    opt = make(model.parameters())
+    reference = MegatronReference(copy.deepcopy(start), make, update="compiled")
+    step = torch.compile(hf_step(model, opt), backend="optpass", options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "optimizer_in_backward": True})
+    batches = token_batches([(2, 8), (2, 12), (2, 16), (2, 16), (2, 8)])
+    for batch in batches:
+        for tensor in batch.values():
+            torch._dynamo.mark_dynamic(tensor, 1)
+    optpass.report.clear_reports()
+    for i, batch in enumerate(batches):
+        loss = step(batch)
+        expected = reference.step(batch, None, loss_fn=lambda m, b, _: m(**b).loss)
+        assert loss.item() == pytest.approx(expected.item(), rel=F32_LOSS), i
+        assert all(p.grad is None for p in model.parameters()), i
+    assert param_ulps(model, reference) <= 1
+    assert master_diff(opt, reference) <= 1e-5
+    masters = optpass.master_weights(opt)
+    assert all(m.dtype == torch.float32 for m in masters.values())
+    assert any(not torch.equal(m.to(torch.bfloat16), s) for m, s in zip(masters.values(), start.parameters()))
+    assert sum(r.kind is GraphKind.STEP for r in optpass.recent_reports()) == 1     # no recompile
+
+
 # ------------------------------------------------------------------ encoders, vision
 
 def test_bert_masked_lm_with_dropout_matches_eager_on_the_same_seed():
