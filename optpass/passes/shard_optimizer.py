@@ -216,12 +216,12 @@ def _insertion_order(plan: ShardPlan, points: dict, position: dict, place, stage
     optimizer_in_backward (memory first, the gradients being what it saves): at a place in
     backward, first what frees buffers of buckets started earlier -- the writes of gathers
     started at an earlier place (their receive buffers), then the updates of reduces started
-    at an earlier place (their fp32/bucket buffers) -- and only then the reduce that allocates
-    the next bucket's buffer. So the next bucket's buffer is never alive together with the one
-    before it (measured, bench/mixed_precision.py: one bucket's fp32 buffer less at the peak); the
-    next reduce starts one shard update later, and still runs while backward computes the
-    bucket after it. A stage that follows a stage of its own bucket at this same place (the
-    last buckets, at the end of the graph) keeps its bucket's order."""
+    at an earlier place (their fp32/bucket buffers) -- and only then a reduce that allocates
+    the next bucket's buffer. With the update placed before the kernel that allocates that buffer
+    (``_before_last_gradient``) one reduce buffer is alive at a time (tests/
+    test_zero1_master_weights.py reads it in Inductor's schedule). A stage that follows a stage
+    of its own bucket at this same place (the last buckets, at the end of the graph) keeps its
+    bucket's order."""
     at = position[place]
     if not plan.in_backward:
         return (at, stage, bucket.index)
