@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
 """bf16 training with fp32 master weights: bytes per parameter at the whole run's peak, and step time.
 
-The model: a bf16 MLP (default 12 x ``Linear(2896, 2896)`` with ReLU between, 100.7M
-parameters, batch 8, MSE loss computed in fp32) trained with AdamW (lr 1e-4, weight
-decay 0.01) on fp32 master weights, the Megatron way. Variants, each in a FRESH
+The model (``--model``), trained with AdamW (lr 1e-4, weight decay 0.01) on fp32 master
+weights, the Megatron way:
+
+* ``mlp`` (default): a bf16 MLP, 12 x ``Linear(2896, 2896)`` with ReLU between, 100.7M
+  parameters, batch 8, MSE loss computed in fp32. Each weight is 1/12 of the model: the
+  worst case for what is in flight beside the state (a gradient, a reduce bucket);
+* ``llama``: transformers' ``LlamaForCausalLM`` in bf16, hidden 768, 13 decoder layers
+  (MLP 2048, 12 heads), vocabulary 8192 with an untied head: 104.6M parameters, the
+  largest (embedding, head) 6% of the model, batch 2 x 16 tokens, cross-entropy in fp32.
+
+Variants, each in a FRESH
 process (its own empty ``TORCHINDUCTOR_CACHE_DIR``, ``--threads`` threads):
 
 * ``by-hand`` -- the reference a careful user writes without optpass (eager): fp32
@@ -29,10 +37,14 @@ process (its own empty ``TORCHINDUCTOR_CACHE_DIR``, ``--threads`` threads):
 Memory is what a user sees (DESIGN.md, "Measuring"): ``VmHWM`` from
 ``/proc/self/status``, the process's peak RSS since it started (imports, model,
 compile, warm-up, measured steps), read before anything resets it; B/param =
-(peak - RSS after the imports, before the model is built) / parameters. It counts
-what compiling adds to the process (Dynamo/Inductor state and generated code),
-which the eager by-hand reference does not pay: the line "compile overhead" says
-how much that is (RSS growth of the same compile on a width-64 copy of the model).
+(peak - baseline) / parameters, the baseline being RSS after the imports and after
+torch.compile's first use in the process (``_initialise_torch_compile``: a tiny copy
+of the step compiled and run, then dropped, in every variant; ~80-200 MB whatever the
+model, the same for a second model's compile would be ~10 MB). Beside it, "over
+imports": the same peak over RSS after the imports alone, that first-use cost counted
+in (``--no-compile-init`` makes it the baseline). What compiling this model adds
+(Dynamo/Inductor state and generated code) is counted in both; the column "compile
+MB" says how much that is (RSS growth of the same compile on a width-64 copy).
 The steady-state peak (VmHWM reset after warm-up) is printed beside it.
 
 Beside the headline, never instead of it: the **live-tensor peak** ("tensors B/p"),
@@ -55,6 +67,7 @@ Usage::
 
     python3 bench/mixed_precision.py                   # 100.7M params, by-hand, optpass, zero1 on 2 ranks (minutes)
     python3 bench/mixed_precision.py --quick           # 4 x Linear(512, 512): smoke run
+    python3 bench/mixed_precision.py --model llama     # a 104.6M-parameter bf16 Llama (transformers)
     python3 bench/mixed_precision.py --variants by-hand,optpass,optpass-after --json out.json
     python3 bench/mixed_precision.py --tensor-peak off               # the RSS headline only (half the processes)
     python3 bench/mixed_precision.py --variants zero1 --bucket-bytes 16779424   # zero1, one layer per bucket
@@ -89,11 +102,11 @@ def run_variant(args) -> None:
     import gc
 
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     import optpass
-    from optpass.models import MLP
+    if args.model == "llama":
+        import transformers  # noqa: F401  (before the baseline: the library is not the model)
 
     torch._dynamo.config.trace_autograd_ops = True
     kind = args.child
@@ -105,25 +118,24 @@ def run_variant(args) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     rss_after_imports_kib = proc_status_kib("VmRSS")
+    if args.compile_init:
+        _initialise_torch_compile(args, kind, rank)
+    rss_after_compile_init_kib = proc_status_kib("VmRSS")
     live = LiveTensorBytes()            # live tensor bytes from here on (profiler allocation events)
     if args.profile_child:
         live.start()
 
     with live.mark("build"):
-        torch.manual_seed(0)
-        model = MLP((args.width,) * (args.layers + 1)).to(torch.bfloat16)
+        model, data, loss_of = _build(args, args.width, args.layers, rank)
         params = list(model.parameters())
         n_params = sum(p.numel() for p in params)
-        g = torch.Generator().manual_seed(1 + rank)
-        data = [(torch.randn(args.batch, args.width, generator=g).to(torch.bfloat16),
-                 torch.randn(args.batch, args.width, generator=g)) for _ in range(4)]
 
     if kind == "by-hand":
         masters = [p.detach().float() for p in params]
         opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01)
 
         def step(x, y):
-            loss = F.mse_loss(model(x).float(), y)
+            loss = loss_of(x, y)
             loss.backward()
             out = loss.detach()
             with torch.no_grad():
@@ -137,19 +149,7 @@ def run_variant(args) -> None:
         state_of = lambda: opt.state.values()        # noqa: E731
     else:
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
-
-        def train_step(x, y):
-            loss = F.mse_loss(model(x).float(), y)
-            loss.backward()
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
-        options = {"optimizer": opt, "master_weights": torch.float32,
-                   "optimizer_in_backward": kind in ("optpass", "zero1")}
-        if kind == "zero1":
-            options.update(data_parallel="zero1", bucket_bytes=args.bucket_bytes)
-        step = torch.compile(train_step, backend="optpass", options=options)
+        step = _compiled_step(args, kind, loss_of, opt)
 
         def state_of():
             if kind == "zero1":
@@ -194,7 +194,7 @@ def run_variant(args) -> None:
         master_bytes = sum(m.numel() * m.element_size() for p, m in optpass.master_weights(opt).items()
                            if m is not p)
     whole = max(hwm_warmup_kib, hwm_steady_kib) * 1024
-    baseline = rss_after_imports_kib * 1024
+    baseline = rss_after_compile_init_kib * 1024
     emit_result({
         "variant": kind, "rank": rank, "world": world, "n_params": n_params,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -202,6 +202,10 @@ def run_variant(args) -> None:
         "baseline_bytes": baseline, "whole_run_peak_bytes": whole, "steady_peak_bytes": hwm_steady_kib * 1024,
         "peak_in": "warm-up" if hwm_warmup_kib >= hwm_steady_kib else "steps",
         "bytes_per_param_whole_run": (whole - baseline) / n_params,
+        # the same peak over RSS after the imports only: torch.compile's first-use cost counted in
+        "rss_after_imports_bytes": rss_after_imports_kib * 1024,
+        "compile_init_bytes": (rss_after_compile_init_kib - rss_after_imports_kib) * 1024,
+        "bytes_per_param_whole_run_over_imports": (whole - rss_after_imports_kib * 1024) / n_params,
         "bytes_per_param_steady": (hwm_steady_kib * 1024 - baseline) / n_params,
         "peak_reset": reset_ok,
         **(_tensor_fields(tensors, n_params, args) if tensors else {}),
@@ -209,6 +213,81 @@ def run_variant(args) -> None:
         "median_step_s": statistics.median(times), "losses": losses, "graphs": graphs,
         "grads_left": sum(p.grad is not None for p in params),
     })
+
+
+def _build(args, width: int, layers: int, rank: int):
+    """The bf16 model, 4 batches of this rank's data, and ``loss_of(x, y)`` (fp32 loss)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + rank)
+    if args.model == "mlp":
+        from optpass.models import MLP
+        model = MLP((width,) * (layers + 1)).to(torch.bfloat16)
+        data = [(torch.randn(args.batch, width, generator=g).to(torch.bfloat16),
+                 torch.randn(args.batch, width, generator=g)) for _ in range(4)]
+        return model, data, lambda x, y: F.mse_loss(model(x).float(), y)
+    import transformers
+    heads = max(1, width // 64)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=width, intermediate_size=_llama_intermediate(width),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=max(64, args.seq), tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    tokens = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
+    data = [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+    def loss_of(x, y):
+        logits = model(input_ids=x).logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return model, data, loss_of
+
+
+def _llama_intermediate(hidden: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 256."""
+    return -(-8 * hidden // 3 // 256) * 256
+
+
+def _compiled_step(args, kind: str, loss_of, opt):
+    """The supported step shape, compiled by optpass with this variant's options."""
+    import torch
+
+    def train_step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    options = {"optimizer": opt, "master_weights": torch.float32,
+               "optimizer_in_backward": kind in ("optpass", "zero1")}
+    if kind == "zero1":
+        options.update(data_parallel="zero1", bucket_bytes=args.bucket_bytes)
+    return torch.compile(train_step, backend="optpass", options=options)
+
+
+def _initialise_torch_compile(args, kind: str, rank: int) -> None:
+    """Pay torch.compile's once-per-process cost before the baseline is read.
+
+    The first compile in a process grows RSS by ~110 MB whatever the model (Dynamo,
+    Inductor and C++ codegen state initialised on first use; a second model compiled in
+    the same process adds ~8 MB): a fixed cost of the process, not of the parameters.
+    Every variant, by-hand included, compiles and runs 2 steps of this variant's optpass
+    step (by-hand: the in-backward one) on a copy of the model 1/32 as wide with 1 layer,
+    then drops it, so that B/param counts what the model and its own compile add. The
+    peak over RSS after the imports alone is reported beside it."""
+    import gc
+
+    import torch
+    small, data, loss_of = _build(args, max(64, args.width // 32), 1, rank)
+    opt = torch.optim.AdamW(small.parameters(), lr=1e-4, weight_decay=0.01)
+    step = _compiled_step(args, "optpass" if kind == "by-hand" else kind, loss_of, opt)
+    for x, y in data[:2]:
+        step(x, y)
+    del small, data, loss_of, opt, step
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def _tensor_fields(t: dict, n_params: int, args) -> dict:
@@ -240,7 +319,9 @@ def _env(args, tag: str) -> tuple[dict, str]:
 def _cmd(args, variant: str, width: int | None = None, profile: bool = False) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
             "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world)] + (
+            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world),
+            "--model", args.model, "--vocab", str(args.vocab), "--seq", str(args.seq)] + (
+            [] if args.compile_init else ["--no-compile-init"]) + (
             ["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else []) + (
             [] if profile else ["--no-tensor-peak"])
 
@@ -282,7 +363,10 @@ def run_parent(args) -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     started = time.perf_counter()
-    print(f"mixed precision: bf16 MLP {args.layers} x Linear({args.width}, {args.width}), batch {args.batch}, "
+    model = (f"MLP {args.layers} x Linear({args.width}, {args.width}), batch {args.batch}" if args.model == "mlp"
+             else f"LlamaForCausalLM hidden {args.width}, {args.layers} layers, vocab {args.vocab}, "
+                  f"batch {args.batch} x {args.seq} tokens")
+    print(f"mixed precision: bf16 {model}, "
           f"AdamW on fp32 masters | threads {args.threads}/process | zero1 on {args.world} gloo ranks | "
           f"warmup {args.warmup} | steps {args.steps} | repeats {args.repeats}", flush=True)
     runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
@@ -319,9 +403,12 @@ def run_parent(args) -> None:
     n = first["n_params"]
     print()
     print(f"parameters {n:,} (bf16: {first['param_bytes'] / _MB:.1f} MB) | MB = 1e6 bytes | medians of "
-          f"{args.repeats} | whole-run / steady B/param (the headline) = (VmHWM - RSS after imports) / parameters"
-          f" | tensors B/param = peak of live tensor bytes (allocated since the imports) / parameters")
-    header = (f"{'variant':14s} {'whole-run B/param':>17s} {'goal':>6s} {'steady B/param':>14s} "
+          f"{args.repeats} | whole-run / steady B/param (the headline) = (VmHWM - baseline) / parameters, "
+          f"baseline = RSS after the imports and torch.compile's first use"
+          f"{' (a tiny copy compiled)' if args.compile_init else ' (not paid before: counted in)'}; "
+          f"'over imports': the same peak over RSS after the imports alone"
+          f" | tensors B/param = peak of live tensor bytes (allocated since the baseline) / parameters")
+    header = (f"{'variant':14s} {'whole-run B/param':>17s} {'goal':>6s} {'over imports':>12s} {'steady B/param':>14s} "
               f"{'tensors B/p':>11s} {'steady':>6s} {'1st step':>8s} "
               f"{'masters B/p':>11s} {'state B/p':>9s} {'compile MB':>10s} {'step ms':>8s} {'/ by-hand':>9s} "
               f"{'grads left':>10s} {'final loss':>11s}")
@@ -337,6 +424,9 @@ def run_parent(args) -> None:
         tensor = max(median([r.get("bytes_per_param_tensor_peak") for r in rs]) for rs in zip(*runs[v]))
         s = {
             "bytes_per_param_whole_run": whole,          # zero1: the rank with the higher median
+            "bytes_per_param_whole_run_over_imports": max(
+                median([r["bytes_per_param_whole_run_over_imports"] for r in rs]) for rs in zip(*runs[v])),
+            "compile_init_mb": median([r["compile_init_bytes"] for r in flat]) / _MB,
             "bytes_per_param_tensor_peak": tensor,      # the same, for the peak of live tensor bytes
             "bytes_per_param_tensor_steady": median([r.get("bytes_per_param_tensor_steady") for r in flat]),
             "bytes_per_param_tensor_first_step": median([(r.get("tensor_peak_first_step_bytes") or 0) / n
@@ -356,7 +446,8 @@ def run_parent(args) -> None:
         summary[v] = s
         goal = "-" if s["goal"] is None else f"{s['goal']:.1f}"
         ratio = "-" if s["step_over_by_hand"] is None else f"{s['step_over_by_hand']:.2f}"
-        print(f"{v:14s} {whole:17.2f} {goal:>6s} {s['bytes_per_param_steady']:14.2f} "
+        print(f"{v:14s} {whole:17.2f} {goal:>6s} {s['bytes_per_param_whole_run_over_imports']:12.2f} "
+              f"{s['bytes_per_param_steady']:14.2f} "
               f"{_fmt(tensor):>11s} {_fmt(s['bytes_per_param_tensor_steady']):>6s} "
               f"{_fmt(s['bytes_per_param_tensor_first_step']):>8s} "
               f"{s['master_bytes_per_param']:11.2f} {s['state_bytes_per_param']:9.2f} "
@@ -371,6 +462,8 @@ def run_parent(args) -> None:
                   f"[goal <= {s['goal']}: {'met' if s['goal_met'] else 'NOT met'}]; without the compile overhead "
                   f"{net:.2f} B/param; live-tensor peak {_fmt(s['bytes_per_param_tensor_peak'])} B/param "
                   f"[{'-' if s['goal_met_tensor_peak'] is None else 'met' if s['goal_met_tensor_peak'] else 'NOT met'}]")
+    print("torch.compile's first use (RSS, before the baseline): "
+          + ", ".join(f"{v} {s['compile_init_mb']:.0f} MB" for v, s in summary.items()))
     print(f"total {time.perf_counter() - started:.0f} s")
     out = {"config": vars(args), "n_params": n, "summary": summary, "runs": runs}
     print("JSON: " + json.dumps({k: out[k] for k in ("config", "n_params", "summary")}))
@@ -382,9 +475,19 @@ def run_parent(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=None, help="Linear layers (default 12; --quick 4)")
-    p.add_argument("--width", type=int, default=None, help="features of every layer (default 2896; --quick 512)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--model", choices=("mlp", "llama"), default="mlp",
+                   help="mlp: Linear layers of one width; llama: transformers' LlamaForCausalLM")
+    p.add_argument("--layers", type=int, default=None,
+                   help="Linear layers (mlp, default 12) or decoder layers (llama, default 13); --quick 4 / 2")
+    p.add_argument("--width", type=int, default=None,
+                   help="features of every layer (mlp, default 2896) or hidden size (llama, default 768); "
+                        "--quick 512 / 128")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default mlp 8, llama 2)")
+    p.add_argument("--seq", type=int, default=16, help="llama: tokens per sequence")
+    p.add_argument("--vocab", type=int, default=8192, help="llama: vocabulary (untied embedding and head)")
+    p.add_argument("--no-compile-init", dest="compile_init", action="store_false",
+                   help="read the baseline right after the imports (torch.compile's first-use cost counted in "
+                        "B/param); by default a tiny copy is compiled first (see _initialise_torch_compile)")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; --quick 3)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
@@ -405,7 +508,10 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick and not args.child
-    for name, full, small in (("layers", 12, 4), ("width", 2896, 512), ("steps", 5, 3)):
+    llama = args.model == "llama"
+    for name, full, small in (("layers", 13 if llama else 12, 2 if llama else 4),
+                              ("width", 768 if llama else 2896, 128 if llama else 512),
+                              ("batch", 2 if llama else 8, 2 if llama else 8), ("steps", 5, 3)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     if args.child:

@@ -7,7 +7,8 @@ module holds what does not live in a graph:
 * **layout** — the optimizer's trainable parameters in buckets (reverse
   parameter order, like DDP: the last layers' gradients are final first; a
   bucket never spans two param groups or dtypes, and holds up to
-  ``bucket_bytes``; None: DDP's 25 MiB, at most a quarter of the model, at least
+  ``bucket_bytes`` of the buffer that is reduced -- fp32 for bf16/fp16 parameters
+  with master weights; None: DDP's 25 MiB, at most a quarter of the model, at least
   1 MiB, see ``MIN_BUCKETS``). Each bucket is split over the N ranks by one of two
   partitions:
 
@@ -128,20 +129,30 @@ def trainable_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
             if p.requires_grad]
 
 
-def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: int | None) -> int:
+def reduced_bytes(p: torch.Tensor, master_dtype: torch.dtype | None) -> int:
+    """Bytes of ``p``'s gradient in the buffer that is reduced: with master weights a bf16/fp16
+    gradient is cast to the master dtype first (fp32 reduction), so a bucket's size is what its
+    reduction sends and what its buffer holds, as DDP's bucket_cap_mb is."""
+    if master_dtype is not None and p.dtype in LOW_PRECISION:
+        return p.numel() * torch.empty((), dtype=master_dtype).element_size()
+    return p.numel() * p.element_size()
+
+
+def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: int | None,
+                         master_dtype: torch.dtype | None = None) -> int:
     """`bucket_bytes`, or for None: DDP's 25 MiB, or less so that there are MIN_BUCKETS buckets
-    of at least MIN_BUCKET_BYTES."""
+    of at least MIN_BUCKET_BYTES (bytes of the reduced buffers, see ``reduced_bytes``)."""
     if bucket_bytes is not None:
         return bucket_bytes
-    total = sum(p.numel() * p.element_size() for _, p in params)
+    total = sum(reduced_bytes(p, master_dtype) for _, p in params)
     return min(DEFAULT_BUCKET_BYTES, max(MIN_BUCKET_BYTES, math.ceil(total / MIN_BUCKETS)))
 
 
 def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: str,
-                 bucket_bytes: int | None) -> Layout:
+                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None) -> Layout:
     if partition not in PARTITIONS:
         raise OptpassError(f"zero1 partition must be one of {PARTITIONS}, got {partition!r}")
-    bucket_bytes = resolve_bucket_bytes(params, bucket_bytes)
+    bucket_bytes = resolve_bucket_bytes(params, bucket_bytes, master_dtype)
     buckets: list[Bucket] = []
     current: list[int] = []
 
@@ -157,11 +168,11 @@ def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: 
         group, p = params[index]
         if current:
             first_group, first = params[current[0]]
-            if group != first_group or p.dtype != first.dtype or size + p.numel() * p.element_size() > bucket_bytes:
+            if group != first_group or p.dtype != first.dtype or size + reduced_bytes(p, master_dtype) > bucket_bytes:
                 close()
                 size = 0
         current.append(index)
-        size += p.numel() * p.element_size()
+        size += reduced_bytes(p, master_dtype)
     close()
     return Layout(world, partition, buckets, [p.shape for _, p in params])
 
@@ -251,7 +262,7 @@ class ShardedOptimizer:
             raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
         if master_dtype is not None:
             refuse_without_low_precision([p for _, p in self.params])
-        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes)
+        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype)
         # One flat shard per bucket this rank owns elements of, named like a parameter.
         self.shards: dict[int, torch.Tensor] = {}
         for bucket in self.layout.buckets:

@@ -110,6 +110,24 @@ def test_collective_plan_is_chosen_by_the_backend(requested, backend, plan):
     assert choose_collectives(requested, backend) == plan
 
 
+def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer():
+    """With master weights the bf16 gradients are reduced in fp32: bucket_bytes (and the default's
+    25 MiB) bound the fp32 buffer the reduction sends and holds, not the bf16 gradients, so a
+    bucket holds half as many bf16 elements; fp32 parameters count 4 bytes either way."""
+    import torch
+
+    from optpass.zero1 import DEFAULT_BUCKET_BYTES, build_layout
+
+    bf16 = [(0, torch.empty(1024, 1024, dtype=torch.bfloat16)) for _ in range(32)]   # 2 MiB bf16, 4 MiB fp32
+    sizes = lambda layout: [len(b.params) for b in layout.buckets]                 # noqa: E731
+    assert sizes(build_layout(bf16, 2, "even", None)) == [8] * 4                      # a quarter of 64 MiB of bf16
+    assert sizes(build_layout(bf16, 2, "even", None, torch.float32)) == [6] * 5 + [2]  # 25 MiB of fp32
+    assert sizes(build_layout(bf16, 2, "even", 8 << 20, torch.float32)) == [2] * 16
+    fp32 = [(0, torch.empty(1024, 1024)) for _ in range(32)]
+    assert sizes(build_layout(fp32, 2, "even", None, torch.float32)) == sizes(build_layout(fp32, 2, "even", None))
+    assert DEFAULT_BUCKET_BYTES == 25 << 20
+
+
 @pytest.mark.parametrize("backends, device, backend", [
     ("gloo", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
     ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
