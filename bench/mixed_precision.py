@@ -39,8 +39,8 @@ Memory is what a user sees (DESIGN.md, "Measuring"): ``VmHWM`` from
 compile, warm-up, measured steps), read before anything resets it; B/param =
 (peak - baseline) / parameters, the baseline being RSS after the imports and after
 torch.compile's first use in the process (``_initialise_torch_compile``: a tiny copy
-of the step compiled and run, then dropped, in every variant; ~80-200 MB whatever the
-model, the same for a second model's compile would be ~10 MB). Beside it, "over
+of the step compiled and run, then dropped, in every variant; 77-200 MB whatever the
+model's width). Beside it, "over
 imports": the same peak over RSS after the imports alone, that first-use cost counted
 in (``--no-compile-init`` makes it the baseline). What compiling this model adds
 (Dynamo/Inductor state and generated code) is counted in both; the column "compile
@@ -270,9 +270,9 @@ def _compiled_step(args, kind: str, loss_of, opt):
 def _initialise_torch_compile(args, kind: str, rank: int) -> None:
     """Pay torch.compile's once-per-process cost before the baseline is read.
 
-    The first compile in a process grows RSS by ~110 MB whatever the model (Dynamo,
-    Inductor and C++ codegen state initialised on first use; a second model compiled in
-    the same process adds ~8 MB): a fixed cost of the process, not of the parameters.
+    The first compile in a process grows RSS by 77 MB (the MLP's step) to 200 MB (the
+    Llama's) whatever the model's width (Dynamo, Inductor and C++ codegen state
+    initialised on first use): a fixed cost of the process, not of the parameters.
     Every variant, by-hand included, compiles and runs 2 steps of this variant's optpass
     step (by-hand: the in-backward one) on a copy of the model 1/32 as wide with 1 layer,
     then drops it, so that B/param counts what the model and its own compile add. The
