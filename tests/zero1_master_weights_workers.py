@@ -273,10 +273,11 @@ def _error_of(fn, *args) -> str | None:
     return None
 
 
-def reduce_buffers_in_backward(rank: int, world: int) -> dict:
-    """A bf16 MLP of 4 layers, one layer per bucket, AdamW on fp32 masters, optimizer_in_backward,
-    lowered by Inductor: how many fp32 reduce buffers its generated schedule keeps alive at once
-    (each bucket's update frees its buffer before the next bucket's is allocated: one)."""
+def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1) -> dict:
+    """A bf16 MLP of 4 layers, ``layers_per_bucket`` layers per bucket, AdamW on fp32 masters,
+    optimizer_in_backward, lowered by Inductor: how many fp32 reduce buffers its generated schedule
+    keeps alive at once (each bucket's update frees its buffer before the next bucket's is
+    allocated: one)."""
     from optpass.models import MLP
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -285,7 +286,7 @@ def reduce_buffers_in_backward(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
         "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
-        "optimizer_in_backward": True, "bucket_bytes": (width * width + width) * 4})
+        "optimizer_in_backward": True, "bucket_bytes": (width * width + width) * 4 * layers_per_bucket})
     codes: list[str] = []
     with workers.inductor_code(codes):
         for i in range(2):

@@ -48,9 +48,11 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   backward, all buckets' stage 2 before any stage 3, so one bucket's gather runs
   while the next bucket is updated (the update after backward, like
   ZeroRedundancyOptimizer). The gradients live until stage 2, as they would in ``.grad``.
-* optimizer_in_backward: stage 2 of bucket k just before the computation of bucket
-  k+1's last gradient (``_before_last_gradient``: its reduce runs while backward
-  computes the rest of bucket k+1, and its buffer is freed before bucket k+1's is
+* optimizer_in_backward: stage 2 of bucket k just before the kernel that first writes
+  bucket k+1's buffer: bucket k+1's first gradient computed by a kernel Inductor fuses
+  the cast into (a bias's or norm weight's sum), else its last gradient
+  (``_before_bucket_allocation``: its reduce runs while backward computes the GEMMs of
+  bucket k+1 before that, and its buffer is freed before bucket k+1's is
   allocated), stage 3 where bucket k+1's stage 2 goes, and never before the last
   read of bucket k's old parameter values (fact 21); the last ones after backward.
   Each gradient dies at its bucket's cat. At one place, what frees buffers goes
@@ -218,7 +220,7 @@ def _insertion_order(plan: ShardPlan, points: dict, position: dict, place, stage
     started at an earlier place (their receive buffers), then the updates of reduces started
     at an earlier place (their fp32/bucket buffers) -- and only then a reduce that allocates
     the next bucket's buffer. With the update placed before the kernel that allocates that buffer
-    (``_before_last_gradient``) one reduce buffer is alive at a time (tests/
+    (``_before_bucket_allocation``) one reduce buffer is alive at a time (tests/
     test_zero1_master_weights.py reads it in Inductor's schedule). A stage that follows a stage
     of its own bucket at this same place (the last buckets, at the end of the graph) keeps its
     bucket's order."""
@@ -237,9 +239,9 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
     latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
     buckets = plan.sharded.layout.buckets
     ready = [latest([gradients[plan.names[i]] for i in b.params]) for b in buckets]
-    # optimizer_in_backward: what bucket k waits for goes just before bucket k+1's last gradient
-    # is computed (``_before_last_gradient``), after the end of backward for the last buckets
-    before = [_before_last_gradient(position, [gradients[plan.names[i]] for i in buckets[k + 1].params], ready[k])
+    # optimizer_in_backward: what bucket k waits for goes just before the kernel that first writes
+    # bucket k+1's buffer (``_before_bucket_allocation``), after the end of backward for the last buckets
+    before = [_before_bucket_allocation(position, [gradients[plan.names[i]] for i in buckets[k + 1].params], ready[k])
               if plan.in_backward and k + 1 < len(buckets) else end for k in range(len(buckets))]
     points = {}
     for k, bucket in enumerate(buckets):
@@ -252,6 +254,32 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
         write = latest([update, last_read, before[k + 1] if k + 1 < len(buckets) else end])
         points[bucket.index] = (ready[k], update, write)
     return points
+
+
+# Gradients computed by these ops come out of an extern kernel (a GEMM): Inductor cannot fuse the
+# fp32 cast into it, so the cast into the bucket's buffer runs where it is emitted, after the last
+# gradient. Any other producer (a bias's or a norm weight's sum) takes the cast into its own kernel
+# and so writes the bucket's buffer, and allocates it, as soon as that gradient exists.
+_EXTERN_PRODUCERS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_VIEWS = {aten.view.default, aten.t.default, aten.permute.default, aten.transpose.int,
+          aten._unsafe_view.default, aten.reshape.default}
+
+
+def _allocates_bucket(gradient: torch.fx.Node) -> bool:
+    """Whether Inductor may write this gradient's cast into the bucket's buffer where it computes it."""
+    while gradient.op == "call_function" and gradient.target in _VIEWS:
+        gradient = gradient.args[0]
+    return not (gradient.op == "call_function" and gradient.target in _EXTERN_PRODUCERS)
+
+
+def _before_bucket_allocation(position: dict, bucket_gradients: list, floor: torch.fx.Node) -> torch.fx.Node:
+    """The node after which the update of the bucket before goes: just before the computation of
+    this bucket's first gradient whose kernel may write the bucket's fp32 buffer (``_allocates_bucket``),
+    or its last gradient if none does. So the previous reduce buffer is freed before this one is
+    allocated, and the previous reduce overlaps the GEMMs before."""
+    ordered = sorted(bucket_gradients, key=position.__getitem__)
+    first = next((i for i, g in enumerate(ordered) if _allocates_bucket(g)), len(ordered) - 1)
+    return _before_last_gradient(position, ordered[:first + 1], floor)
 
 
 def _before_last_gradient(position: dict, bucket_gradients: list, floor: torch.fx.Node) -> torch.fx.Node:
