@@ -129,13 +129,16 @@ def trainable_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
             if p.requires_grad]
 
 
+def on_masters(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
+    """Parameters of ``dtype`` are updated on masters of ``master_dtype`` (and reduced in it)."""
+    return master_dtype is not None and dtype in LOW_PRECISION
+
+
 def reduced_bytes(p: torch.Tensor, master_dtype: torch.dtype | None) -> int:
     """Bytes of ``p``'s gradient in the buffer that is reduced: with master weights a bf16/fp16
     gradient is cast to the master dtype first (fp32 reduction), so a bucket's size is what its
     reduction sends and what its buffer holds, as DDP's bucket_cap_mb is."""
-    if master_dtype is not None and p.dtype in LOW_PRECISION:
-        return p.numel() * torch.empty((), dtype=master_dtype).element_size()
-    return p.numel() * p.element_size()
+    return p.numel() * (master_dtype.itemsize if on_masters(p.dtype, master_dtype) else p.element_size())
 
 
 def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: int | None,
@@ -321,8 +324,7 @@ class ShardedOptimizer:
     def has_master(self, bucket: Bucket) -> bool:
         """The bucket's update runs on fp32 masters (the same answer on every rank: it sets the
         dtype of the bucket's reduce-scatter)."""
-        dtype = self.params[bucket.params[0]][1].dtype
-        return self.master_dtype is not None and dtype in LOW_PRECISION
+        return on_masters(self.params[bucket.params[0]][1].dtype, self.master_dtype)
 
     def mark_masters_stale(self, buckets) -> None:
         """Re-read these buckets' masters from the parameters before the next step (a checkpoint

@@ -165,7 +165,7 @@ def test_an_eager_opt_step_with_gradients_is_refused(ranks):
 def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time(ranks):
     """In Inductor's schedule of the sharded step (masters, optimizer_in_backward, one layer per
     bucket) each bucket's fp32 reduce buffer is freed by its update before the next bucket's is
-    allocated (shard_optimizer._before_last_gradient): one alive at a time. Before that schedule
+    allocated (shard_optimizer._before_bucket_allocation): one alive at a time. Before that schedule
     the update came after the next bucket's last gradient, whose kernel Inductor fuses with the
     cast into the next buffer: two were alive."""
     found = ranks[2][0][6]
