@@ -59,12 +59,6 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   first (``_insertion_order``): the writes of gathers started earlier, then the
   updates, then the next reduce. So at most one bucket's reduce buffer, one layer's
   gradient and one bucket's gather buffers are alive at once (bench/mixed_precision.py).
-  In a bucket of several parameters, a gradient whose kernel Inductor could fuse the fp32
-  cast into (a bias's or norm weight's sum) goes through ``optpass::materialized`` (a copy
-  Inductor runs as an extern kernel): otherwise Inductor may fuse two such sums of two
-  buckets into one kernel (a transformer layer's two norm weights, when a bucket border falls
-  between them), which allocates both buckets' buffers before the first one's reduce starts.
-  So a bucket's buffer is allocated by its cat, after the update before it.
   The pieces of a parameter cut over several buckets (``zero1.build_layout``) are all
   final at its gradient: there each piece is reduced and waited before the next piece's
   buffer is allocated (one piece's buffer at a time; only the last piece's reduce
@@ -378,26 +372,11 @@ class _Emitter:
                     device=val.device, pin_memory=False)
 
 
-@torch.library.custom_op("optpass::materialized", mutates_args=())
-def materialized(gradient: torch.Tensor) -> torch.Tensor:
-    """A copy of `gradient` that Inductor computes as an extern kernel: nothing fuses into or across it."""
-    return gradient.clone()
-
-
-@materialized.register_fake
-def _(gradient):
-    return torch.empty_like(gradient)
-
-
 def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
     """Each gradient of the bucket flat, in the reduction's dtype: cast one by one before they are
     joined, so Inductor writes the fp32 bucket straight from the bf16/fp16 gradients (a cast after
     the join would first materialize the joined half-precision bucket: one more bucket of bytes)."""
-    def fenced(g):
-        if plan.in_backward and len(bucket.params) > 1 and _allocates_bucket(g):
-            return emit(torch.ops.optpass.materialized.default, g)
-        return g
-    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(fenced(gradients[plan.names[i]])))
+    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(gradients[plan.names[i]]))
             for i in bucket.params}
 
 
