@@ -59,7 +59,6 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     sharded = _sharded(optimizer)
     shard_optimizer = sharded.shard_optimizer
     state: dict[str, dict] = {}
-    pieces = _Pieces(sharded)
     for bucket in sharded.layout.buckets:
         shard = sharded.shards.get(bucket.index)
         values = dict(shard_optimizer.state.get(shard, {})) if shard is not None else {}
@@ -67,59 +66,37 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
             values[MASTER_KEY] = shard                     # the master shard is the shard optimizer's parameter
         for key, value in values.items():
             for s in bucket.segments[sharded.rank]:
-                if _elementwise(shard, key, value):
-                    pieces.add(s, key, value[s.offset: s.offset + s.numel])
-                else:
-                    state.setdefault(str(s.param), {})[key] = value
-    pieces.into(state)
+                state.setdefault(str(s.param), {})[key] = _logical(sharded, bucket, s, shard, key, value)
     return {"state": state, "param_groups": _param_groups(optimizer)}
 
 
-def _elementwise(shard: torch.Tensor, key: str, value) -> bool:
-    """Whether a state value holds one element per element of the shard (saved as this rank's pieces
-    of a flat per-parameter tensor), or is saved as it is (a per-parameter scalar such as
-    Adam's step: replicated)."""
-    if not isinstance(value, torch.Tensor) or (value.numel() == 1 and value.shape != shard.shape):
-        return False
+def _logical(sharded, bucket, segment, shard, key, value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() == 1 and value.shape != shard.shape:
+        return value                                   # per-parameter scalar (step): replicated
     if value.shape != shard.shape:
         raise OptpassError(f"zero1 checkpoint: state {key!r} has shape {tuple(value.shape)}, not the "
                            "shard's; only elementwise optimizer state can be saved sharded.")
-    return True
+    piece = value[segment.offset: segment.offset + segment.numel]
+    return _sharded_tensor(sharded, bucket, segment.param, piece)
 
 
-class _Pieces:
-    """This rank's pieces of each (parameter, state key), gathered over the buckets (a parameter cut
-    over several buckets has a piece in each), and the one ShardedTensor each becomes."""
-
-    def __init__(self, sharded: ShardedOptimizer):
-        self.sharded = sharded
-        self.found: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}
-
-    def add(self, segment, key: str, piece: torch.Tensor) -> None:
-        self.found.setdefault((segment.param, key), []).append((segment.start, piece))
-
-    def into(self, state: dict) -> None:
-        for (param, key), mine in self.found.items():
-            state.setdefault(str(param), {})[key] = _sharded_tensor(self.sharded, param, mine)
-
-
-def _sharded_tensor(sharded, param: int, mine: list[tuple[int, torch.Tensor]]) -> ShardedTensor:
-    """A 1-D ShardedTensor of the parameter's numel whose local shards are this rank's pieces
-    ``(start, view)``; every rank's pieces, in every bucket that holds the parameter, are its placements."""
+def _sharded_tensor(sharded, bucket, param: int, piece: torch.Tensor) -> ShardedTensor:
+    """A 1-D ShardedTensor of the parameter's numel whose only local shard is `piece`."""
     pg = sharded.pg
-    placements, local = [], []
-    pieces = dict(mine)
-    device = mine[0][1].device
-    for bucket in sharded.layout.buckets_of(param):
-        for rank, s in bucket.segments_of(param):
-            metadata = ShardMetadata([s.start], [s.numel], f"rank:{dist.get_global_rank(pg.group, rank)}/{device}")
-            placements.append(metadata)
-            if rank == pg.rank:
-                local.append(Shard(pieces[s.start], metadata))
+    placements = []
+    mine = None
+    for rank, s in bucket.segments_of(param):
+        metadata = ShardMetadata([s.start], [s.numel], f"rank:{dist.get_global_rank(pg.group, rank)}/{piece.device}")
+        placements.append(metadata)
+        if rank == pg.rank:
+            mine = metadata
     numel = sharded.layout.shapes[param].numel()
     global_metadata = ShardedTensorMetadata(
-        placements, torch.Size([numel]), TensorProperties(dtype=mine[0][1].dtype, requires_grad=False))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata, process_group=pg.group)
+        placements, torch.Size([numel]), TensorProperties(dtype=piece.dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(piece, mine)], global_metadata, process_group=pg.group)
 
 
 def _param_groups(optimizer) -> list[dict]:
@@ -173,9 +150,7 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
     if not saved_keys:
         raise OptpassError("zero1 checkpoint: no optimizer state found in this checkpoint.")
     template: dict[str, dict] = {}
-    pieces = _Pieces(sharded)
     new_state: dict[torch.Tensor, dict] = {}
-    scalars: dict[tuple[int, str], list[torch.Tensor]] = {}     # per (parameter, key), one per bucket
     without_masters: set[int] = set()      # buckets whose masters the checkpoint lacks
     for bucket in sharded.layout.buckets:
         shard = sharded.shards.get(bucket.index)
@@ -184,7 +159,8 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
         for s in bucket.segments[sharded.rank]:
             if sharded.has_master(bucket):
                 if MASTER_KEY in saved_keys.get(s.param, {}):     # read in place into the master shard
-                    pieces.add(s, MASTER_KEY, shard[s.offset: s.offset + s.numel])
+                    piece = shard[s.offset: s.offset + s.numel]
+                    template.setdefault(str(s.param), {})[MASTER_KEY] = _sharded_tensor(sharded, bucket, s.param, piece)
                 else:
                     without_masters.add(bucket.index)
             for key, md in saved_keys.get(s.param, {}).items():
@@ -194,22 +170,17 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
                 state = new_state.setdefault(shard, {})
                 if size is not None and tuple(size) == (sharded.layout.shapes[s.param].numel(),):
                     flat = state.setdefault(key, torch.zeros_like(shard))
-                    pieces.add(s, key, flat[s.offset: s.offset + s.numel])
-                elif size is not None:      # a scalar (step): DCP loads the first, install copies it
+                    piece = flat[s.offset: s.offset + s.numel]
+                    template.setdefault(str(s.param), {})[key] = _sharded_tensor(sharded, bucket, s.param, piece)
+                elif size is not None:
                     scalar = state.setdefault(key, torch.zeros(size, dtype=md.properties.dtype))
-                    scalars.setdefault((s.param, key), []).append(scalar)
-                    template.setdefault(str(s.param), {}).setdefault(key, scalar)
+                    template.setdefault(str(s.param), {})[key] = scalar
                 else:
                     template.setdefault(str(s.param), {})[key] = None
-    pieces.into(template)
     template = {"state": template, "param_groups": _param_groups(sharded.optimizer)}
 
     def install(loaded: dict) -> None:
         sharded.mark_masters_stale(without_masters)
-        for (param, key), tensors in scalars.items():     # a parameter cut over buckets: each has one
-            for scalar in tensors[1:]:
-                if scalar is not tensors[0]:
-                    scalar.copy_(tensors[0])
         for shard, values in new_state.items():
             sharded.shard_optimizer.state[shard] = dict(values)
         for bucket in sharded.layout.buckets:      # non-tensor state (rare): from any piece

@@ -61,7 +61,6 @@ def ranks(tmp_path_factory):
                                                 ("refused_without_half_precision",),
                                                 ("reduce_buffers_in_backward",),
                                                 ("reduce_buffers_in_backward", 2),
-                                                ("reduce_buffers_in_backward", 1, 4),
                                                 ("scaled_parity", SCALED_CASES[2])], timeout_s=900))
     three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path),
                                                   ("scaled_parity", SCALED_CASES[3])], timeout_s=900))
@@ -183,18 +182,6 @@ def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_with_several_laye
     the same: bench/mixed_precision.py --model llama)."""
     found = ranks[2][0][7]
     assert found["buckets"] == found["reduce_buffers"] == 2, found
-    assert found["alive_at_once"] == 1, found
-
-
-def test_in_backward_a_weight_larger_than_a_bucket_is_reduced_in_pieces_one_at_a_time(ranks):
-    """bucket_bytes a quarter of a weight's fp32 gradient: each weight is cut into 4 buckets
-    (zero1.build_layout), reduced one piece after the other at the point where the weight's gradient is
-    final (shard_optimizer._insertion_order): no fp32 buffer of the whole weight, one piece's buffer
-    alive at a time. Without the cut the weight was one bucket of 4 pieces' bytes (DDP's behaviour)."""
-    found = ranks[2][0][8]
-    width = 32
-    assert found["buckets"] == found["reduce_buffers"] == 4 * (4 + 1), found   # per layer 4 pieces and the bias
-    assert found["largest_reduce_buffer"] == width * width // 4, found
     assert found["alive_at_once"] == 1, found
 
 

@@ -128,47 +128,6 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
     assert DEFAULT_BUCKET_BYTES == 25 << 20
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_parameter_larger_than_a_bucket_is_cut_into_equal_pieces_that_cover_it_once(world):
-    """A 10000-element bf16 weight with 16 KiB buckets of fp32 gradients (4096 elements): 3 buckets of
-    3333-3334 elements, each split over the ranks; every element of the weight is in exactly one
-    segment of one rank. The smaller parameters around it are bucketed as before; 'greedy' keeps
-    whole parameters (a bucket of its own, DDP's)."""
-    import torch
-
-    from optpass.zero1 import build_layout
-
-    params = [(0, torch.empty(100, dtype=torch.bfloat16)), (0, torch.empty(100, 100, dtype=torch.bfloat16)),
-              (0, torch.empty(100, dtype=torch.bfloat16))]
-    layout = build_layout(params, world, "even", 16 << 10, torch.float32)
-    assert [(b.params, b.piece) for b in layout.buckets] == [
-        ([2], None), ([1], (0, 3333)), ([1], (3333, 6666)), ([1], (6666, 10000)), ([0], None)]
-    covered = sorted((s.start, s.stop) for b in layout.buckets_of(1) for segs in b.segments for s in segs)
-    assert covered[0][0] == 0 and covered[-1][1] == 10000
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-    assert layout.parameters() == [2, 1, 0]
-    greedy = build_layout(params, world, "greedy", 16 << 10, torch.float32)
-    assert [b.params for b in greedy.buckets] == [[2], [1], [0]]
-
-
-def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
-    """zero1.gradient_order: a module that registers its norm weight last but uses it first (a
-    transformer layer) has its norm's gradient final last: the order is the reverse of first use,
-    ties (a weight and its bias, used by one node) in reverse parameter order, and a parameter the
-    graph does not use last."""
-    import torch.fx
-
-    from optpass.zero1 import gradient_order
-
-    graph = torch.fx.Graph()
-    weight, bias, norm, unused = (graph.placeholder(n) for n in ("weight", "bias", "norm", "unused"))
-    x = graph.call_function(torch.mul, (norm, norm))
-    y = graph.call_function(torch.nn.functional.linear, (x, weight, bias))
-    graph.output(y)
-    assert gradient_order(graph, {0: 0, 1: 1, 2: 2, 3: 3}, 4) == [1, 0, 2, 3]
-    assert gradient_order(graph, {}, 3) == [2, 1, 0]            # no placeholders known: reverse order
-
-
 @pytest.mark.parametrize("backends, device, backend", [
     ("gloo", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
     ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),

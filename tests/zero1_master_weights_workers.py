@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 import time
 
 import torch
@@ -274,12 +273,11 @@ def _error_of(fn, *args) -> str | None:
     return None
 
 
-def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1, pieces: int = 1) -> dict:
-    """A bf16 MLP of 4 layers, ``layers_per_bucket`` layers per bucket (or with ``pieces``, each
-    weight cut in that many buckets, its bias a bucket of its own), AdamW on fp32 masters,
+def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1) -> dict:
+    """A bf16 MLP of 4 layers, ``layers_per_bucket`` layers per bucket, AdamW on fp32 masters,
     optimizer_in_backward, lowered by Inductor: how many fp32 reduce buffers its generated schedule
     keeps alive at once (each bucket's update frees its buffer before the next bucket's is
-    allocated: one), and the largest."""
+    allocated: one)."""
     from optpass.models import MLP
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -288,17 +286,14 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
         "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
-        "optimizer_in_backward": True,
-        "bucket_bytes": (width * width + width) * 4 * layers_per_bucket if pieces == 1 else width * width * 4 // pieces})
+        "optimizer_in_backward": True, "bucket_bytes": (width * width + width) * 4 * layers_per_bucket})
     codes: list[str] = []
     with workers.inductor_code(codes):
         for i in range(2):
             step(torch.randn(8, width, dtype=torch.bfloat16), torch.randn(8, width, dtype=torch.bfloat16))
     code = next(c for c in codes if "_c10d_functional" in c)
     alive, buffers = workers.reduce_buffers_alive_at_once(code)
-    sizes = [int(n) for n in re.findall(r"all_reduce_\.default\((buf\d+)", code) for n in
-             re.findall(rf"\b{n} = empty_strided_cpu\(\((\d+), \)", code)]
-    return {"alive_at_once": alive, "reduce_buffers": buffers, "largest_reduce_buffer": max(sizes, default=None),
+    return {"alive_at_once": alive, "reduce_buffers": buffers,
             "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets)}
 
 

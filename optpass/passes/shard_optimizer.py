@@ -59,10 +59,6 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   first (``_insertion_order``): the writes of gathers started earlier, then the
   updates, then the next reduce. So at most one bucket's reduce buffer, one layer's
   gradient and one bucket's gather buffers are alive at once (bench/mixed_precision.py).
-  The pieces of a parameter cut over several buckets (``zero1.build_layout``) are all
-  final at its gradient: there each piece is reduced and waited before the next piece's
-  buffer is allocated (one piece's buffer at a time; only the last piece's reduce
-  overlaps backward).
 * clip_grad_norm (not with optimizer_in_backward): stage 1 as by default; after backward
   every bucket's stage 2 waits first, one all_reduce of the chunks' squared norms
   gives the global norm, then the scaled updates, the gathers and the writes.
@@ -174,14 +170,14 @@ def _summary(plan: ShardPlan) -> str:
 def shard_update(step, plan: ShardPlan) -> None:
     graph = step.graph
     layout = plan.sharded.layout
-    missing = [plan.names.get(i, f"#{i}") for i in layout.parameters()
+    missing = [plan.names.get(i, f"#{i}") for b in layout.buckets for i in b.params
                if plan.names.get(i) not in step.gradient_nodes]
     if missing:
         raise OptpassError(
             f"data_parallel='zero1': parameter(s) {', '.join(missing[:3])} are in the optimizer and "
             "require grad but get no gradient in this step; every rank must update every bucket. "
             "Set requires_grad=False on unused parameters or leave them out of the optimizer.")
-    gradients = take_gradient_outputs(step, [plan.names[i] for i in layout.parameters()])
+    gradients = take_gradient_outputs(step, [plan.names[i] for b in layout.buckets for i in b.params])
     inputs = placeholders_by_dynamo_index(graph)
     collectives = PLANS[plan.collectives](plan.sharded)
     points = _stage_points(step, plan, gradients)
@@ -225,18 +221,15 @@ def _insertion_order(plan: ShardPlan, points: dict, position: dict, place, stage
     at an earlier place (their fp32/bucket buffers) -- and only then a reduce that allocates
     the next bucket's buffer. With the update placed before the kernel that allocates that buffer
     (``_before_bucket_allocation``) one reduce buffer is alive at a time (tests/
-    test_zero1_master_weights.py reads it in Inductor's schedule). Buckets whose reduce and update
-    both go here (the pieces of a parameter cut over several buckets: one gradient makes them all
-    final) go one after the other, each reduce waited before the next one allocates its buffer:
-    one piece's buffer at a time, the last piece's reduce overlapping what follows. A stage that
-    follows a stage of its own bucket at this same place (the last buckets, at the end of the
-    graph) keeps its bucket's order."""
+    test_zero1_master_weights.py reads it in Inductor's schedule). A stage that follows a stage
+    of its own bucket at this same place (the last buckets, at the end of the graph) keeps its
+    bucket's order."""
     at = position[place]
     if not plan.in_backward:
         return (at, stage, bucket.index)
     started_earlier = stage > 0 and position[points[bucket.index][stage - 1]] < at
-    group = {(2, True): 0, (1, True): 1, (0, False): 2, (1, False): 2, (2, False): 3}[(stage, started_earlier)]
-    return (at, group, bucket.index, stage)
+    group = {(2, True): 0, (1, True): 1, (0, False): 2, (1, False): 3, (2, False): 4}[(stage, started_earlier)]
+    return (at, group, bucket.index)
 
 
 def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
@@ -244,11 +237,8 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
     position = {n: i for i, n in enumerate(step.graph.nodes)}
     end = step.output_node.prev
     latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
-    ready_of = {b.index: latest([gradients[plan.names[i]] for i in b.params]) for b in plan.sharded.layout.buckets}
-    # in the order their gradients are final in this graph (the layout's order is found before
-    # the graph exists: zero1.gradient_order cannot tell a weight's gradient from its bias's)
-    buckets = sorted(plan.sharded.layout.buckets, key=lambda b: (position[ready_of[b.index]], b.index))
-    ready = [ready_of[b.index] for b in buckets]
+    buckets = plan.sharded.layout.buckets
+    ready = [latest([gradients[plan.names[i]] for i in b.params]) for b in buckets]
     # optimizer_in_backward: what bucket k waits for goes just before the kernel that first writes
     # bucket k+1's buffer (``_before_bucket_allocation``), after the end of backward for the last buckets
     before = [_before_bucket_allocation(position, [gradients[plan.names[i]] for i in buckets[k + 1].params], ready[k])
@@ -406,7 +396,7 @@ def _emit_parameter_writes(emit: _Emitter, plan: ShardPlan, bucket, gathered: li
         param = emit.step.param_nodes[plan.names[i]]
         pieces = [(emit.piece(gathered[r][0], gathered[r][1] + s.offset, gathered[r][1] + s.offset + s.numel), s)
                   for r, s in bucket.segments_of(i)]
-        if len(pieces) == 1 and pieces[0][1].numel == shapes[i].numel():
+        if len(pieces) == 1:
             value = pieces[0][0]
         else:
             value = emit.flat(param)
