@@ -325,11 +325,15 @@ class ShardedStep(OptimizerInBackwardStep):
     feature = "data_parallel='zero1'"
 
     def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        from optpass.zero1 import sharded_optimizer
+        from optpass.zero1 import gradient_order, sharded_optimizer, trainable_params
 
         names_by_id = {id(p.tensor): p.name for p in captured.params}
+        placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}
+        trainable = trainable_params(options.optimizer)
+        order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
+                                          if id(p) in placeholder_of}, len(trainable))
         self.sharded = sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                                         options.bucket_bytes, names_by_id, options.master_weights)
+                                         options.bucket_bytes, names_by_id, options.master_weights, order)
         super().__init__(gm, captured, options, plain, compile_fn)
         self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
         missing = [f"#{i}" if name is None else name for i, name in self.names.items()
@@ -382,9 +386,9 @@ class ShardedStep(OptimizerInBackwardStep):
         """Every bucketed parameter's own gradient: each rank unscales and checks its gradients before
         the reduction (unscaling is exact: the scale is a power of two), into fp32 for the buckets
         updated on fp32 masters (they are reduced in fp32 anyway)."""
-        buckets = self.sharded.layout.buckets
-        return ([self.names[i] for b in buckets for i in b.params],
-                {self.names[i] for b in buckets if self.sharded.has_master(b) for i in b.params})
+        layout = self.sharded.layout
+        return ([self.names[i] for i in layout.parameters()],
+                {self.names[i] for b in layout.buckets if self.sharded.has_master(b) for i in b.params})
 
     def _found_inf_group(self):
         """An inf/nan in one rank's gradients reaches every rank's averaged gradients: every rank

@@ -4,13 +4,16 @@
 single-device step data-parallel over a torch.distributed process group. This
 module holds what does not live in a graph:
 
-* **layout** — the optimizer's trainable parameters in buckets (reverse
-  parameter order, like DDP: the last layers' gradients are final first; a
+* **layout** — the optimizer's trainable parameters in buckets, in the order
+  backward makes their gradients final (``gradient_order``: the reverse of their
+  first use in the step's forward, the order DDP finds by recording its first
+  backward; reverse parameter order, DDP's first guess, when the state is made
+  before the step is compiled, by ``load_sharded_checkpoint``); a
   bucket never spans two param groups or dtypes, and holds up to
   ``bucket_bytes`` of the buffer that is reduced -- fp32 for bf16/fp16 parameters
   with master weights; None: DDP's 25 MiB, at most a quarter of the model, at least
-  1 MiB, see ``MIN_BUCKETS``). Each bucket is split over the N ranks by one of two
-  partitions:
+  1 MiB, see ``MIN_BUCKETS``; a larger parameter is a bucket of its own size, as in
+  DDP). Each bucket is split over the N ranks by one of two partitions:
 
   - ``"even"`` (default, DeepSpeed's): the bucket's flat concatenation, padded to
     a multiple of N, in N equal chunks; a parameter may be split across ranks.
@@ -114,6 +117,10 @@ class Layout:
     def bucket_of(self, param: int) -> Bucket:
         return next(b for b in self.buckets if param in b.params)
 
+    def parameters(self) -> list[int]:
+        """Every bucketed parameter once, in bucket order."""
+        return list(dict.fromkeys(i for b in self.buckets for i in b.params))
+
     def collective_elements(self) -> int:
         """Elements sent through reduce-scatter (= through all-gather) per step, all buckets."""
         return sum(self.world * b.chunk for b in self.buckets)
@@ -152,7 +159,10 @@ def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: i
 
 
 def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: str,
-                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None) -> Layout:
+                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None,
+                 order: list[int] | None = None) -> Layout:
+    """Buckets filled in `order` (parameter indices in the order backward makes their gradients
+    final, ``gradient_order``; None: reverse parameter order, DDP's first guess)."""
     if partition not in PARTITIONS:
         raise OptpassError(f"zero1 partition must be one of {PARTITIONS}, got {partition!r}")
     bucket_bytes = resolve_bucket_bytes(params, bucket_bytes, master_dtype)
@@ -167,7 +177,7 @@ def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: 
 
     loads = [0] * world                  # greedy: elements assigned to each rank so far
     size = 0
-    for index in reversed(range(len(params))):
+    for index in reversed(range(len(params))) if order is None else order:
         group, p = params[index]
         if current:
             first_group, first = params[current[0]]
@@ -207,6 +217,27 @@ def _partition(index, group, members, params, world, partition, loads) -> Bucket
             segments[rank].append(Segment(i, 0, numel[i], offset))
         chunk = max(1, max(sum(s.numel for s in segs) for segs in segments))
     return Bucket(index, group, members, chunk, segments)
+
+
+def gradient_order(graph: torch.fx.Graph, input_index: dict[int, int], count: int) -> list[int]:
+    """Parameter indices (optimizer order, `count` of them) in the order backward makes their
+    gradients final: the reverse of their first use in the forward of Dynamo's step `graph`, which
+    runs in program order (`input_index`: parameter index -> its placeholder's index). DDP finds
+    this order by recording its first backward and rebuilding its buckets; reverse registration
+    order is its first guess, and wrong wherever a module registers its parameters in another
+    order than it uses them (a transformer layer's norms: registered last, used first). With
+    that guess a bucket could hold a gradient that is final early (the next layer's norm weight)
+    and one that is final late, and its reduce buffer lived across the next bucket's.
+    Parameters used together keep reverse parameter order; one the graph does not use goes last."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    unused = len(position)
+
+    def first_use(index: int) -> int:
+        node = placeholders[input_index[index]] if index in input_index else None
+        return min((position[u] for u in node.users), default=-1) if node is not None else -1
+
+    return sorted(range(count), key=lambda i: (-first_use(i) if first_use(i) >= 0 else unused, -i))
 
 
 # ---------------------------------------------------------------- sharded state
@@ -257,7 +288,8 @@ class ShardedOptimizer:
     (or for an fp32 bucket) the chunk is a stand-in the graph fills from the parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, pg: ProcessGroupInfo, partition: str,
-                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None):
+                 bucket_bytes: int | None, master_dtype: torch.dtype | None = None,
+                 order: list[int] | None = None):
         self.optimizer, self.pg = optimizer, pg
         self.partition, self.bucket_bytes, self.master_dtype = partition, bucket_bytes, master_dtype
         self.params = trainable_params(optimizer)
@@ -265,7 +297,7 @@ class ShardedOptimizer:
             raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
         if master_dtype is not None:
             refuse_without_low_precision([p for _, p in self.params])
-        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype)
+        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype, order)
         # One flat shard per bucket this rank owns elements of, named like a parameter.
         self.shards: dict[int, torch.Tensor] = {}
         for bucket in self.layout.buckets:
@@ -369,8 +401,11 @@ _SHARDED: WeakKeyDictionary = WeakKeyDictionary()
 def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, partition: str = "even",
                       bucket_bytes: int | None = None,
                       names: dict[int, str] | None = None,
-                      master_dtype: torch.dtype | None = None) -> ShardedOptimizer:
-    """The sharded state of `optimizer` on this rank (created once; later calls must agree)."""
+                      master_dtype: torch.dtype | None = None,
+                      order: list[int] | None = None) -> ShardedOptimizer:
+    """The sharded state of `optimizer` on this rank (created once; later calls must agree, but
+    for `order`: a state created without it, by load_sharded_checkpoint before the first step,
+    keeps DDP's reverse parameter order)."""
     pg = ProcessGroupInfo.of(process_group)
     existing = _SHARDED.get(optimizer)
     if existing is not None:
@@ -382,9 +417,9 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
                 f"{existing.bucket_bytes}, master_weights {existing.master_dtype}; compile every step "
                 "that uses it, and call load_sharded_checkpoint, with the same options.")
         return existing
-    check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype)
+    order = check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype, order)
     broadcast_parameters(optimizer, pg)
-    sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype)
+    sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)
     if master_dtype is not None:
         # an eager opt.step() would update the parameters and bypass the masters: it raises
         optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step)
@@ -422,13 +457,15 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
 
 
 def check_ranks_agree(optimizer, pg: ProcessGroupInfo, partition: str, bucket_bytes: int,
-                      names: dict[int, str] | None = None, master_dtype: torch.dtype | None = None) -> None:
-    """Every rank must train the same parameters with the same optimizer: compare with rank 0."""
+                      names: dict[int, str] | None = None, master_dtype: torch.dtype | None = None,
+                      order: list[int] | None = None) -> list[int] | None:
+    """Every rank must train the same parameters with the same optimizer: compare with rank 0.
+    Returns rank 0's bucket `order`, which every rank then uses (each found it in its own graph)."""
     mine = signature(optimizer, partition, bucket_bytes, names, master_dtype)
     everyone: list = [None] * pg.world
-    dist.all_gather_object(everyone, mine, group=pg.group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
+    dist.all_gather_object(everyone, (mine, order), group=pg.group)
+    reference, order = everyone[0]
+    for rank, (theirs, _) in enumerate(everyone):
         for (what, ref_value), (_, value) in zip(reference, theirs):
             if ref_value != value:
                 raise OptpassError(
@@ -440,6 +477,7 @@ def check_ranks_agree(optimizer, pg: ProcessGroupInfo, partition: str, bucket_by
                 f"data_parallel='zero1': the ranks do not train the same model: rank 0 has "
                 f"{len(reference)} signature entries, rank {rank} has {len(theirs)} (a different "
                 "number of parameters or param groups).")
+    return order
 
 
 @torch.no_grad()

@@ -61,6 +61,7 @@ def ranks(tmp_path_factory):
                                                 ("refused_without_half_precision",),
                                                 ("reduce_buffers_in_backward",),
                                                 ("reduce_buffers_in_backward", 2),
+                                                ("reduce_buffers_in_backward_llama",),
                                                 ("scaled_parity", SCALED_CASES[2])], timeout_s=900))
     three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path),
                                                   ("scaled_parity", SCALED_CASES[3])], timeout_s=900))
@@ -182,6 +183,17 @@ def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_with_several_laye
     the same: bench/mixed_precision.py --model llama)."""
     found = ranks[2][0][7]
     assert found["buckets"] == found["reduce_buffers"] == 2, found
+    assert found["alive_at_once"] == 1, found
+
+
+def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_when_a_bucket_border_splits_a_layers_norms(ranks):
+    """A Llama layer's two RMSNorm weight gradients are sums over the same tokens: Inductor fuses them
+    into one kernel, and with them their fp32 casts, so with a bucket border between them that kernel
+    allocated both buckets' buffers before the first bucket's reduce (2 alive at once, checked with the
+    copy below removed). Each sum in a bucket of several parameters first goes through
+    ``optpass::materialized`` (shard_optimizer._flat_gradients): one buffer at a time."""
+    found = ranks[2][0][8]
+    assert found["buckets"] == [6, 6] and found["reduce_buffers"] == 2, found
     assert found["alive_at_once"] == 1, found
 
 

@@ -128,6 +128,24 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
     assert DEFAULT_BUCKET_BYTES == 25 << 20
 
 
+def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
+    """zero1.gradient_order: a module that registers its norm weight last but uses it first (a
+    transformer layer) has its norm's gradient final last: the order is the reverse of first use,
+    ties (a weight and its bias, used by one node) in reverse parameter order, and a parameter the
+    graph does not use last."""
+    import torch.fx
+
+    from optpass.zero1 import gradient_order
+
+    graph = torch.fx.Graph()
+    weight, bias, norm, unused = (graph.placeholder(n) for n in ("weight", "bias", "norm", "unused"))
+    x = graph.call_function(torch.mul, (norm, norm))
+    y = graph.call_function(torch.nn.functional.linear, (x, weight, bias))
+    graph.output(y)
+    assert gradient_order(graph, {0: 0, 1: 1, 2: 2, 3: 3}, 4) == [1, 0, 2, 3]
+    assert gradient_order(graph, {}, 3) == [2, 1, 0]            # no placeholders known: reverse order
+
+
 @pytest.mark.parametrize("backends, device, backend", [
     ("gloo", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
     ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),

@@ -297,6 +297,44 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
             "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets)}
 
 
+def reduce_buffers_in_backward_llama(rank: int, world: int) -> dict:
+    """A one-layer bf16 LlamaForCausalLM (hidden 64, vocabulary 512) in two buckets whose border falls
+    between the layer's two RMSNorm weights (post-attention norm in the first, input norm in the second),
+    AdamW on fp32 masters, optimizer_in_backward, lowered by Inductor: the fp32 reduce buffers its
+    schedule keeps alive at once."""
+    import torch.nn.functional as F
+    import transformers
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step(x, y):
+        logits = model(input_ids=x).logits.float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    # 82048 fp32 elements fit (head, final norm, MLP, post-attention norm), one more 64 x 64 does not
+    step = torch.compile(train_step, backend="optpass", options={
+        "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
+        "optimizer_in_backward": True, "bucket_bytes": 330_000})
+    codes: list[str] = []
+    with workers.inductor_code(codes):
+        for _ in range(2):
+            tokens = torch.randint(0, 512, (2, 17))
+            step(tokens[:, :-1], tokens[:, 1:])
+    code = next(c for c in codes if "_c10d_functional" in c)
+    alive, buffers = workers.reduce_buffers_alive_at_once(code)
+    layout = optpass.zero1.sharded_state(opt).layout
+    return {"alive_at_once": alive, "reduce_buffers": buffers, "buckets": [len(b.params) for b in layout.buckets]}
+
+
 def refused_without_half_precision(rank: int, world: int) -> str:
     """master_weights with zero1 over an fp32 model: the error, as the step raises it."""
     torch._dynamo.reset()

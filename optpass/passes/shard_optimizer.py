@@ -59,6 +59,14 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   first (``_insertion_order``): the writes of gathers started earlier, then the
   updates, then the next reduce. So at most one bucket's reduce buffer, one layer's
   gradient and one bucket's gather buffers are alive at once (bench/mixed_precision.py).
+  In a bucket of several parameters, a gradient that is a sum (a bias's or norm weight's,
+  small) goes through ``optpass::materialized`` (a copy Inductor runs as an extern kernel):
+  otherwise Inductor may fuse two such sums of two
+  buckets into one kernel (a transformer layer's two norm weights, when a bucket border falls
+  between them), which allocates both buckets' buffers before the first one's reduce starts.
+  So a bucket's buffer is allocated by its cat, after the update before it.
+  Buckets whose gradients are all final at one place (the last ones, at the end of
+  backward) are each reduced and waited before the next one's buffer is allocated.
 * clip_grad_norm (not with optimizer_in_backward): stage 1 as by default; after backward
   every bucket's stage 2 waits first, one all_reduce of the chunks' squared norms
   gives the global norm, then the scaled updates, the gathers and the writes.
@@ -170,14 +178,14 @@ def _summary(plan: ShardPlan) -> str:
 def shard_update(step, plan: ShardPlan) -> None:
     graph = step.graph
     layout = plan.sharded.layout
-    missing = [plan.names.get(i, f"#{i}") for b in layout.buckets for i in b.params
+    missing = [plan.names.get(i, f"#{i}") for i in layout.parameters()
                if plan.names.get(i) not in step.gradient_nodes]
     if missing:
         raise OptpassError(
             f"data_parallel='zero1': parameter(s) {', '.join(missing[:3])} are in the optimizer and "
             "require grad but get no gradient in this step; every rank must update every bucket. "
             "Set requires_grad=False on unused parameters or leave them out of the optimizer.")
-    gradients = take_gradient_outputs(step, [plan.names[i] for b in layout.buckets for i in b.params])
+    gradients = take_gradient_outputs(step, [plan.names[i] for i in layout.parameters()])
     inputs = placeholders_by_dynamo_index(graph)
     collectives = PLANS[plan.collectives](plan.sharded)
     points = _stage_points(step, plan, gradients)
@@ -221,15 +229,15 @@ def _insertion_order(plan: ShardPlan, points: dict, position: dict, place, stage
     at an earlier place (their fp32/bucket buffers) -- and only then a reduce that allocates
     the next bucket's buffer. With the update placed before the kernel that allocates that buffer
     (``_before_bucket_allocation``) one reduce buffer is alive at a time (tests/
-    test_zero1_master_weights.py reads it in Inductor's schedule). A stage that follows a stage
-    of its own bucket at this same place (the last buckets, at the end of the graph) keeps its
-    bucket's order."""
+    test_zero1_master_weights.py reads it in Inductor's schedule). Buckets whose reduce and update
+    both go here (the last buckets, at the end of backward) go one after the other, each reduce
+    waited before the next one allocates its buffer: one buffer at a time."""
     at = position[place]
     if not plan.in_backward:
         return (at, stage, bucket.index)
     started_earlier = stage > 0 and position[points[bucket.index][stage - 1]] < at
-    group = {(2, True): 0, (1, True): 1, (0, False): 2, (1, False): 3, (2, False): 4}[(stage, started_earlier)]
-    return (at, group, bucket.index)
+    group = {(2, True): 0, (1, True): 1, (0, False): 2, (1, False): 2, (2, False): 3}[(stage, started_earlier)]
+    return (at, group, bucket.index, stage)
 
 
 def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
@@ -237,8 +245,11 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
     position = {n: i for i, n in enumerate(step.graph.nodes)}
     end = step.output_node.prev
     latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
-    buckets = plan.sharded.layout.buckets
-    ready = [latest([gradients[plan.names[i]] for i in b.params]) for b in buckets]
+    ready_of = {b.index: latest([gradients[plan.names[i]] for i in b.params]) for b in plan.sharded.layout.buckets}
+    # in the order their gradients are final in this graph (the layout's order is found before
+    # the graph exists: zero1.gradient_order cannot tell a weight's gradient from its bias's)
+    buckets = sorted(plan.sharded.layout.buckets, key=lambda b: (position[ready_of[b.index]], b.index))
+    ready = [ready_of[b.index] for b in buckets]
     # optimizer_in_backward: what bucket k waits for goes just before the kernel that first writes
     # bucket k+1's buffer (``_before_bucket_allocation``), after the end of backward for the last buckets
     before = [_before_bucket_allocation(position, [gradients[plan.names[i]] for i in buckets[k + 1].params], ready[k])
@@ -270,6 +281,14 @@ def _allocates_bucket(gradient: torch.fx.Node) -> bool:
     while gradient.op == "call_function" and gradient.target in _VIEWS:
         gradient = gradient.args[0]
     return not (gradient.op == "call_function" and gradient.target in _EXTERN_PRODUCERS)
+
+
+def _is_a_sum(gradient: torch.fx.Node) -> bool:
+    """Whether the gradient is a sum (a bias's or a norm weight's): Inductor may fuse two such sums
+    of two buckets into one kernel, and with them the fp32 casts into both buckets' buffers."""
+    while gradient.op == "call_function" and (gradient.target in _VIEWS or gradient.target is convert_element_type):
+        gradient = gradient.args[0]
+    return gradient.op == "call_function" and gradient.target in (aten.sum.dim_IntList, aten.sum.default)
 
 
 def _before_bucket_allocation(position: dict, bucket_gradients: list, floor: torch.fx.Node) -> torch.fx.Node:
@@ -362,11 +381,26 @@ class _Emitter:
                     device=val.device, pin_memory=False)
 
 
+@torch.library.custom_op("optpass::materialized", mutates_args=())
+def materialized(gradient: torch.Tensor) -> torch.Tensor:
+    """A copy of `gradient` that Inductor computes as an extern kernel: nothing fuses into or across it."""
+    return gradient.clone()
+
+
+@materialized.register_fake
+def _(gradient):
+    return torch.empty_like(gradient)
+
+
 def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
     """Each gradient of the bucket flat, in the reduction's dtype: cast one by one before they are
     joined, so Inductor writes the fp32 bucket straight from the bf16/fp16 gradients (a cast after
     the join would first materialize the joined half-precision bucket: one more bucket of bytes)."""
-    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(gradients[plan.names[i]]))
+    def fenced(g):
+        if plan.in_backward and len(bucket.params) > 1 and _is_a_sum(g):
+            return emit(torch.ops.optpass.materialized.default, g)
+        return g
+    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(fenced(gradients[plan.names[i]])))
             for i in bucket.params}
 
 
