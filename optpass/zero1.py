@@ -118,8 +118,8 @@ class Layout:
         return next(b for b in self.buckets if param in b.params)
 
     def parameters(self) -> list[int]:
-        """Every bucketed parameter once, in bucket order."""
-        return list(dict.fromkeys(i for b in self.buckets for i in b.params))
+        """Every bucketed parameter (each is in one bucket), in bucket order."""
+        return [i for b in self.buckets for i in b.params]
 
     def collective_elements(self) -> int:
         """Elements sent through reduce-scatter (= through all-gather) per step, all buckets."""
@@ -231,13 +231,13 @@ def gradient_order(graph: torch.fx.Graph, input_index: dict[int, int], count: in
     Parameters used together keep reverse parameter order; one the graph does not use goes last."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(graph.nodes)}
-    unused = len(position)
+    last = len(position)                 # after every used parameter
 
-    def first_use(index: int) -> int:
-        node = placeholders[input_index[index]] if index in input_index else None
-        return min((position[u] for u in node.users), default=-1) if node is not None else -1
+    def key(index: int) -> tuple[int, int]:
+        users = placeholders[input_index[index]].users if index in input_index else ()
+        return (-min(position[u] for u in users) if users else last, -index)
 
-    return sorted(range(count), key=lambda i: (-first_use(i) if first_use(i) >= 0 else unused, -i))
+    return sorted(range(count), key=key)
 
 
 # ---------------------------------------------------------------- sharded state

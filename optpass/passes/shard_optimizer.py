@@ -276,19 +276,24 @@ _VIEWS = {aten.view.default, aten.t.default, aten.permute.default, aten.transpos
           aten._unsafe_view.default, aten.reshape.default}
 
 
+def _producer(gradient: torch.fx.Node, skipped=_VIEWS) -> torch.fx.Node:
+    """The node that computes `gradient`, back through the ops in `skipped` (views) after it."""
+    while gradient.op == "call_function" and gradient.target in skipped:
+        gradient = gradient.args[0]
+    return gradient
+
+
 def _allocates_bucket(gradient: torch.fx.Node) -> bool:
     """Whether Inductor may write this gradient's cast into the bucket's buffer where it computes it."""
-    while gradient.op == "call_function" and gradient.target in _VIEWS:
-        gradient = gradient.args[0]
-    return not (gradient.op == "call_function" and gradient.target in _EXTERN_PRODUCERS)
+    producer = _producer(gradient)
+    return not (producer.op == "call_function" and producer.target in _EXTERN_PRODUCERS)
 
 
 def _is_a_sum(gradient: torch.fx.Node) -> bool:
     """Whether the gradient is a sum (a bias's or a norm weight's): Inductor may fuse two such sums
     of two buckets into one kernel, and with them the fp32 casts into both buckets' buffers."""
-    while gradient.op == "call_function" and (gradient.target in _VIEWS or gradient.target is convert_element_type):
-        gradient = gradient.args[0]
-    return gradient.op == "call_function" and gradient.target in (aten.sum.dim_IntList, aten.sum.default)
+    producer = _producer(gradient, _VIEWS | {convert_element_type})
+    return producer.op == "call_function" and producer.target in (aten.sum.dim_IntList, aten.sum.default)
 
 
 def _before_bucket_allocation(position: dict, bucket_gradients: list, floor: torch.fx.Node) -> torch.fx.Node:
