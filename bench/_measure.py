@@ -6,6 +6,8 @@
   of the steps that ran in between.
 * ``cpu_busy_s()`` / ``children_cpu_s()``: how busy the machine and our children
   were, to tell when other processes disturbed a timing.
+* ``CPUTensorBytes``: the peak of live CPU tensor bytes on every thread (a counting
+  allocator), what ``torch.cuda.max_memory_allocated()`` is on a GPU.
 * ``emit_result(dict)`` in a child, ``run_child(cmd, env, timeout)`` in the parent:
   run one variant in a fresh process and get back its numbers.
 """
@@ -101,81 +103,144 @@ def run_child(cmd: list[str], env: dict | None = None, timeout: float | None = N
     return result
 
 
-class LiveTensorBytes:
-    """Child side: the peak of live CPU tensor bytes, from the profiler's allocation events.
+_COUNTING_ALLOCATOR_CPP = r"""
+#include <torch/extension.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <atomic>
+#include <cstring>
 
-    What ``torch.cuda.max_memory_allocated()`` is on a GPU, for CPU tensors: every
-    allocation and free of the c10 CPU allocator while profiling is on is reported
-    with ``total_allocated``, the allocator's running sum of the bytes it handed out
-    since profiling started and has not got back (kept under its lock, so in true
-    order). Its maximum is the peak of live tensor bytes: no glibc retention, no
-    compile state, no tensors that were alive before ``start()`` (imports).
+namespace {
+// c10's CPU allocation (c10::alloc_cpu, 64-byte aligned) with a 64-byte header that holds the
+// size: every tensor allocation adds its bytes to `live` (and raises `peak`), and the deleter
+// takes them off again -- on whatever thread the tensor dies. The data pointer is its own
+// context, as c10's default allocator gives it (raw_allocate / raw_deallocate work).
+constexpr size_t kHeader = 64;
 
-    The profiler is enabled through ``torch.autograd._enable_profiler`` with
-    ``profile_memory=True`` and only the user scope, so it records allocations and
-    ``mark()`` ranges but not one event per operator (the public
-    ``torch.profiler.profile`` records every op, compiling included, which costs RSS
-    and time). Caveat: the reporting is per thread; only threads that run with the
-    profiler's thread-local state are seen (the main thread, autograd's), so a
-    tensor freed on another thread (a gloo worker) would be missed, and the running
-    total would stay that much too high from then on (c10's
-    ``ProfiledCPUMemoryReporter::Delete`` counts a free only on a thread with memory
-    profiling on): ``stop()`` returns the live bytes at the end of every mark, which
-    shows such drift (none in bench/mixed_precision.py's runs: 8.0055 B/param after
-    every zero1 step).
+struct CountingCPUAllocator final : c10::Allocator {
+  bool installed = false;
+  std::atomic<int64_t> live{0}, peak{0}, allocations{0};
+
+  static CountingCPUAllocator& instance() {
+    static auto* allocator = new CountingCPUAllocator();   // never destroyed: tensors may outlive main()
+    return *allocator;
+  }
+  static void release(void* data) {
+    if (data == nullptr) return;
+    char* block = static_cast<char*>(data) - kHeader;
+    int64_t bytes;
+    std::memcpy(&bytes, block, sizeof(bytes));
+    instance().live.fetch_sub(bytes);
+    c10::free_cpu(block);
+  }
+  c10::DataPtr allocate(size_t n) override {
+    char* block = static_cast<char*>(c10::alloc_cpu(n + kHeader));
+    const int64_t bytes = static_cast<int64_t>(n);
+    std::memcpy(block, &bytes, sizeof(bytes));
+    void* data = block + kHeader;
+    const int64_t now = live.fetch_add(bytes) + bytes;
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {}
+    allocations.fetch_add(1);
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+}  // namespace
+
+bool install() {
+  auto& a = CountingCPUAllocator::instance();
+  if (!a.installed) {
+    c10::SetCPUAllocator(&a, /*priority=*/100);
+    a.installed = true;
+  }
+  return c10::GetCPUAllocator() == &a;
+}
+std::vector<int64_t> counters() {
+  auto& a = CountingCPUAllocator::instance();
+  return {a.live.load(), a.peak.load(), a.allocations.load()};
+}
+int64_t reset_peak() {   // the peak from now on: live bytes
+  auto& a = CountingCPUAllocator::instance();
+  const int64_t now = a.live.load();
+  a.peak.store(now);
+  return now;
+}
+void raise_peak(int64_t value) {   // the peak is at least `value` (an earlier range's)
+  auto& a = CountingCPUAllocator::instance();
+  int64_t seen = a.peak.load();
+  while (value > seen && !a.peak.compare_exchange_weak(seen, value)) {}
+}
+"""
+
+
+class CPUTensorBytes:
+    """Child side: the peak of live CPU tensor bytes, counted by the allocator on every thread.
+
+    What ``torch.cuda.max_memory_allocated()`` is on a GPU, for CPU tensors. ``load()``
+    builds (once per machine, ~20 s; cached by ``torch.utils.cpp_extension``) and
+    ``start()`` installs a c10 CPU allocator that allocates as c10's default one does
+    (``c10::alloc_cpu``) with a 64-byte header holding the size: each allocation adds its
+    size to a running total and its deleter subtracts it, on whichever thread the tensor
+    dies (a gloo worker's included), under atomics. The maximum of that total is the peak
+    of live tensor bytes allocated since ``start()``: no glibc retention, no compile
+    state, no tensor allocated before ``start()`` (nor its free). Memory still comes from
+    glibc as before (64 bytes more per tensor), so RSS is measured in the same process.
+    Once installed it stays for the life of the process; torch.profiler's memory events
+    no longer see CPU allocations (c10's default allocator reports them, this one does not).
     """
 
     def __init__(self) -> None:
         self.on = False
-        self.names: set[str] = set()
+        self._ext = None
+        self._marks: dict[str, dict] = {}
+
+    def load(self) -> None:
+        """Build (or find) and import the allocator, not yet installed: do it before reading an
+        RSS baseline, so that the module's own pages are not counted as the run's."""
+        if self._ext is not None:
+            return
+        from torch.utils.cpp_extension import load_inline
+        self._ext = load_inline("optpass_bench_counting_cpu_allocator", cpp_sources=_COUNTING_ALLOCATOR_CPP,
+                                functions=["install", "counters", "reset_peak", "raise_peak"], extra_cflags=["-O2"])
 
     def start(self) -> None:
-        import torch
-        from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
-                                        _ExperimentalConfig)
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-        torch.autograd._prepare_profiler(config, {ProfilerActivity.CPU})
-        torch.autograd._enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+        """Install the allocator: tensors allocated from here on are counted."""
+        self.load()
+        if not self._ext.install():
+            raise RuntimeError("another CPU allocator with a higher priority is installed")
+        self._ext.reset_peak()
         self.on = True
+
+    def live_bytes(self) -> int:
+        return self._ext.counters()[0]
 
     def mark(self, name: str):
         """A context manager: a named range whose own peak and end value ``stop()`` reports."""
         import contextlib
 
-        import torch
-        self.names.add(name)
-        return torch.profiler.record_function(name) if self.on else contextlib.nullcontext()
+        @contextlib.contextmanager
+        def measured():
+            if not self.on:
+                yield
+                return
+            peak_before = self._ext.counters()[1]
+            self._ext.reset_peak()
+            try:
+                yield
+            finally:
+                live, peak, _ = self._ext.counters()
+                self._marks[name] = {"peak_bytes": peak, "end_bytes": live}
+                self._ext.raise_peak(peak_before)   # the whole run's peak goes on
+        return measured()
 
     def stop(self) -> dict:
-        """Stop profiling; ``peak_bytes``, ``end_bytes``, ``events`` and per mark
-        ``{name: {"peak_bytes", "end_bytes"}}`` (``end_bytes``: live at the range's end);
-        a name marked twice keeps its last range."""
-        import torch
-        from torch._C._profiler import _EventType
-
-        result = torch.autograd._disable_profiler()
+        """``peak_bytes``, ``end_bytes``, ``allocations`` and per mark ``{name: {"peak_bytes",
+        "end_bytes"}}`` (``end_bytes``: live at the range's end); a name marked twice keeps its
+        last range. The allocator stays installed; counting goes on."""
+        live, peak, allocations = self._ext.counters()
         self.on = False
-        allocs, marks, stack = [], [], list(result.experimental_event_tree())
-        while stack:
-            e = stack.pop()
-            stack.extend(e.children)
-            if e.tag == _EventType.Allocation:
-                allocs.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
-            elif e.tag == _EventType.TorchOp and e.name in self.names:   # not torch's own (gloo:..., Optimizer...)
-                marks.append((e.start_time_ns, e.start_time_ns + e.duration_time_ns, e.name))
-        allocs.sort()
-        running = running_peak = 0
-        for _, _, size in allocs:                      # cross-check: the sum of the sizes, in time order
-            running += size
-            running_peak = max(running_peak, running)
-        import bisect
-        times = [a[0] for a in allocs]
-        per_mark = {}
-        for t0, t1, name in sorted(marks):
-            i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
-            live_at_start = allocs[i - 1][1] if i else 0
-            per_mark[name] = {"peak_bytes": max([live_at_start] + [a[1] for a in allocs[i:j]]),
-                              "end_bytes": allocs[j - 1][1] if j else 0}
-        return {"peak_bytes": max((a[1] for a in allocs), default=0),
-                "end_bytes": allocs[-1][1] if allocs else 0,
-                "running_sum_peak_bytes": running_peak, "events": len(allocs), "marks": per_mark}
+        return {"peak_bytes": peak, "end_bytes": live, "allocations": allocations, "marks": dict(self._marks)}

@@ -51,16 +51,13 @@ Beside the headline, never instead of it: the **live-tensor peak** ("tensors B/p
 the most bytes of CPU tensors alive at once over the whole run (from before the
 model is built through the last measured step, the first step included) -- what
 ``torch.cuda.max_memory_allocated()`` reports on a GPU: the tensor design's peak,
-without glibc's retention or the compile state. It is the maximum of the CPU
-allocator's ``total_allocated`` in the profiler's allocation events
-(``_measure.LiveTensorBytes``: ``profile_memory=True``, user scope only, so no
-per-operator events), checked exact on a toy (tests/test_bench_measure.py). The
-profiler moves glibc's heap around (by-hand's RSS: 20.14 B/param with it, 17.30
-without), so by default (``--tensor-peak separate``) it runs in a repeat of each
-variant, a fresh process again, whose RSS is not the headline (kept in the JSON as
-``profiled_repeat_bytes_per_param_whole_run``); ``--tensor-peak same`` measures both
-in one process, ``off`` skips it. Also printed: the live-tensor peak of the measured
-steps ("steady") and of the first step ("1st step"). Step time:
+without glibc's retention or the compile state. ``_measure.CPUTensorBytes`` counts it:
+a c10 CPU allocator wrapping the default one adds each allocation's bytes to a running
+total and the tensor's deleter takes them off, on whatever thread the tensor dies
+(gloo's workers included), checked exact on a toy (tests/test_bench_measure.py). It
+does not change where memory comes from, so it runs in the same process as the RSS
+headline (``--tensor-peak off`` skips it). Also printed: the live-tensor peak of the
+measured steps ("steady") and of the first step ("1st step"). Step time:
 median of the measured steps; ratios against ``by-hand`` (same threads per process).
 
 Usage::
@@ -69,7 +66,7 @@ Usage::
     python3 bench/mixed_precision.py --quick           # 4 x Linear(512, 512): smoke run
     python3 bench/mixed_precision.py --model llama     # a 104.6M-parameter bf16 Llama (transformers)
     python3 bench/mixed_precision.py --variants by-hand,optpass,optpass-after --json out.json
-    python3 bench/mixed_precision.py --tensor-peak off               # the RSS headline only (half the processes)
+    python3 bench/mixed_precision.py --tensor-peak off               # the RSS headline only
     python3 bench/mixed_precision.py --variants zero1 --bucket-bytes 16779424   # zero1, one layer per bucket
 
 The parent never imports torch.
@@ -88,7 +85,7 @@ import sys
 import tempfile
 import time
 
-from _measure import RESULT_PREFIX, LiveTensorBytes, emit_result, median, proc_status_kib, reset_peak_rss, run_child
+from _measure import RESULT_PREFIX, CPUTensorBytes, emit_result, median, proc_status_kib, reset_peak_rss, run_child
 
 VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1")
 DEFAULT_VARIANTS = ("by-hand", "optpass", "zero1")
@@ -117,12 +114,14 @@ def run_variant(args) -> None:
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    live = CPUTensorBytes()             # live tensor bytes from start() on, every thread (a counting allocator)
+    if args.count_tensors:
+        live.load()                     # its module before the baseline, installed after it
     rss_after_imports_kib = proc_status_kib("VmRSS")
     if args.compile_init:
         _initialise_torch_compile(args, kind, rank)
     rss_after_compile_init_kib = proc_status_kib("VmRSS")
-    live = LiveTensorBytes()            # live tensor bytes from here on (profiler allocation events)
-    if args.profile_child:
+    if args.count_tensors:
         live.start()
 
     with live.mark("build"):
@@ -177,8 +176,8 @@ def run_variant(args) -> None:
         with live.mark(f"step {i}"):
             losses.append(float(step(x, y)))
         times.append(time.perf_counter() - t0)
-    hwm_steady_kib = proc_status_kib("VmHWM")       # read before the profiler's results are built
-    tensors = live.stop() if args.profile_child else None
+    hwm_steady_kib = proc_status_kib("VmHWM")
+    tensors = live.stop() if args.count_tensors else None
     if int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) != graphs:
         raise SystemExit(f"{kind}: a graph compiled during the measured steps (raise --warmup)")
     # what holds the fp32 masters and the optimizer state, counted tensor by tensor
@@ -291,7 +290,7 @@ def _initialise_torch_compile(args, kind: str, rank: int) -> None:
 
 
 def _tensor_fields(t: dict, n_params: int, args) -> dict:
-    """The live-tensor figures of one child (``LiveTensorBytes.stop()``), bytes and B/param."""
+    """The live-tensor figures of one child (``CPUTensorBytes.stop()``), bytes and B/param."""
     marks = t["marks"]
     steady = max(marks[f"step {i}"]["peak_bytes"] for i in range(args.steps))
     return {
@@ -302,7 +301,7 @@ def _tensor_fields(t: dict, n_params: int, args) -> dict:
         "tensor_peak_by_mark": {k: v["peak_bytes"] for k, v in marks.items()},
         # live after the model is built and after every step: constant across steps unless a free was missed
         "tensor_live_after": {k: v["end_bytes"] for k, v in marks.items()},
-        "tensor_running_sum_peak_bytes": t["running_sum_peak_bytes"], "tensor_events": t["events"],
+        "tensor_allocations": t["allocations"],
     }
 
 
@@ -316,27 +315,27 @@ def _env(args, tag: str) -> tuple[dict, str]:
     return env, cache_dir
 
 
-def _cmd(args, variant: str, width: int | None = None, profile: bool = False) -> list[str]:
+def _cmd(args, variant: str, width: int | None = None, count_tensors: bool = False) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
             "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world),
             "--model", args.model, "--vocab", str(args.vocab), "--seq", str(args.seq)] + (
             [] if args.compile_init else ["--no-compile-init"]) + (
             ["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else []) + (
-            [] if profile else ["--no-tensor-peak"])
+            [] if count_tensors else ["--no-tensor-peak"])
 
 
-def _spawn(args, variant: str, width: int | None = None, profile: bool = False) -> list[dict]:
-    """One process (or --world rank processes for zero1); their results, by rank. ``profile``: the
-    child measures the live-tensor peak (the profiler on, from before the model is built)."""
+def _spawn(args, variant: str, width: int | None = None, count_tensors: bool = False) -> list[dict]:
+    """One process (or --world rank processes for zero1); their results, by rank. ``count_tensors``: the
+    child measures the live-tensor peak (the counting allocator installed before the model is built)."""
     env, cache_dir = _env(args, variant)
     try:
         if variant != "zero1":
-            return [run_child(_cmd(args, variant, width, profile), env, args.child_timeout)]
+            return [run_child(_cmd(args, variant, width, count_tensors), env, args.child_timeout)]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen(_cmd(args, variant, width, profile) + ["--rank", str(r), "--port", str(port)],
+        procs = [subprocess.Popen(_cmd(args, variant, width, count_tensors) + ["--rank", str(r), "--port", str(port)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(args.world)]
         results = []
@@ -372,13 +371,7 @@ def run_parent(args) -> None:
     runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         for v in variants:               # interleaved
-            ranks = _spawn(args, v, profile=args.tensor_peak == "same")
-            if args.tensor_peak == "separate":
-                # the profiler changes glibc's heap layout (by-hand: 20.1 B/param RSS with it, 17.3 without),
-                # so the live-tensor peak comes from a repeat of the same variant; its RSS is kept aside
-                for r, p in zip(ranks, _spawn(args, v, profile=True)):
-                    r.update({k: x for k, x in p.items() if k.startswith(("tensor_", "bytes_per_param_tensor"))})
-                    r["profiled_repeat_bytes_per_param_whole_run"] = p["bytes_per_param_whole_run"]
+            ranks = _spawn(args, v, count_tensors=args.tensor_peak == "same")
             runs[v].append(ranks)
             for r in ranks:
                 print(f"  {v:14s} rep {rep} rank {r['rank']}: whole-run peak {r['whole_run_peak_bytes'] / _MB:8.1f} MB"
@@ -386,9 +379,7 @@ def run_parent(args) -> None:
                       f"{r['bytes_per_param_steady']:.2f} B/param | live tensors: peak "
                       f"{_fmt(r.get('bytes_per_param_tensor_peak'))} B/param (in {r.get('tensor_peak_in', '-')}), "
                       f"steady {_fmt(r.get('bytes_per_param_tensor_steady'))}"
-                      + (f" (profiled repeat; its RSS {r['profiled_repeat_bytes_per_param_whole_run']:.2f} B/param)"
-                         if "profiled_repeat_bytes_per_param_whole_run" in r else "")
-                      + f" | step {r['median_step_s'] * 1e3:.0f} ms,"
+                      f" | step {r['median_step_s'] * 1e3:.0f} ms,"
                       f" warm-up "
                       f"{', '.join(f'{t:.1f}' for t in r['warmup_call_s'])} s, process {r.get('process_wall_s', '-')} s",
                       flush=True)
@@ -496,10 +487,10 @@ def main(argv=None) -> None:
     p.add_argument("--bucket-bytes", type=int, default=None,
                    help="zero1's bucket_bytes option (default None: optpass's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
-    p.add_argument("--tensor-peak", choices=("separate", "same", "off"), default="separate",
-                   help="live-tensor peak: from a profiled repeat of each variant (default), from the same "
-                        "process as the RSS headline (the profiler then perturbs the RSS), or not at all")
-    p.add_argument("--no-tensor-peak", dest="profile_child", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--tensor-peak", choices=("same", "off"), default="same",
+                   help="live-tensor peak: counted in the same process as the RSS headline (a counting CPU "
+                        "allocator, default), or not at all")
+    p.add_argument("--no-tensor-peak", dest="count_tensors", action="store_false", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     p.add_argument("--child-timeout", type=int, default=1800)
