@@ -6,10 +6,10 @@ tests/zero1_workers.py in bf16/fp16, two param groups) with
 ``options={"data_parallel": "zero1", "master_weights": torch.float32}`` on 2 and
 3 gloo ranks, 20 steps, twice per case:
 
-* ``fp32`` -- optpass as it is: each bucket's half-precision gradients are cast
-  to fp32 before the reduce-scatter (Megatron's grad_reduce_in_fp32);
+* ``fp32`` -- optpass as it is: each bucket's half-precision gradients are sent to
+  their owner (all-to-all) and summed there in fp32 (Megatron's grad_reduce_in_fp32);
 * ``half`` -- the reduce-scatter in the parameters' dtype, its chunk cast to fp32
-  for the update (the alternative, patched in here: half the bytes).
+  for the update (the alternative, patched in here: the sum rounded to bf16/fp16).
 
 Both are compared with the Megatron-way reference of the tests (per-rank
 gradients cast to fp32, averaged in fp32, torch.optim on fp32 masters):
@@ -48,7 +48,7 @@ def measure(rank: int, world: int, reduction: str) -> list[dict]:
             return emit_update(emit, plan, name, shard, gradient, inputs)
 
         shard_optimizer._emit_update = update_from_half_chunk
-        shard_optimizer._in_reduction_dtype = lambda emit, plan, bucket, flat: flat
+        shard_optimizer._summed_by_owner = lambda sharded, bucket, flat: False   # reduced as it is
     return workers.parity(rank, world, CASES)
 
 

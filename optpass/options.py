@@ -83,8 +83,8 @@ OPTIONS: tuple[Option, ...] = (
            "with data_parallel: 'even' (flat buckets split evenly) or 'greedy' (whole parameters, sorted-greedy)",
            choices=("even", "greedy")),
     Option("bucket_bytes", (type(None), int), None,
-           "with data_parallel: most bytes of gradients per bucket, as reduced (fp32 for bf16/fp16 parameters "
-           "with master_weights; one reduce and one gather per bucket); None: DDP's 25 MiB, lowered to a quarter "
+           "with data_parallel: most bytes of gradients per bucket, counted in the dtype they are summed in (fp32 "
+           "for bf16/fp16 parameters with master_weights; one reduce and one gather per bucket); None: DDP's 25 MiB, lowered to a quarter "
            "of the model's reduced bytes (not below 1 MiB) for a smaller model, so that most of the reduction "
            "runs during backward"),
     Option("collectives", (str,), "auto",

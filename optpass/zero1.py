@@ -10,8 +10,8 @@ module holds what does not live in a graph:
   backward; reverse parameter order, DDP's first guess, when the state is made
   before the step is compiled, by ``load_sharded_checkpoint``); a
   bucket never spans two param groups or dtypes, and holds up to
-  ``bucket_bytes`` of the buffer that is reduced -- fp32 for bf16/fp16 parameters
-  with master weights; None: DDP's 25 MiB, at most a quarter of the model, at least
+  ``bucket_bytes`` of gradients counted in the dtype they are summed in -- fp32 for
+  bf16/fp16 parameters with master weights (sent in bf16/fp16, summed in fp32); None: DDP's 25 MiB, at most a quarter of the model, at least
   1 MiB, see ``MIN_BUCKETS``; a larger parameter is a bucket of its own size, as in
   DDP). Each bucket is split over the N ranks by one of two partitions:
 
@@ -137,14 +137,15 @@ def trainable_params(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
 
 
 def on_masters(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
-    """Parameters of ``dtype`` are updated on masters of ``master_dtype`` (and reduced in it)."""
+    """Parameters of ``dtype`` are updated on masters of ``master_dtype`` (and summed in it)."""
     return master_dtype is not None and dtype in LOW_PRECISION
 
 
 def reduced_bytes(p: torch.Tensor, master_dtype: torch.dtype | None) -> int:
-    """Bytes of ``p``'s gradient in the buffer that is reduced: with master weights a bf16/fp16
-    gradient is cast to the master dtype first (fp32 reduction), so a bucket's size is what its
-    reduction sends and what its buffer holds, as DDP's bucket_cap_mb is."""
+    """Bytes of ``p``'s gradient in the dtype it is summed in: with master weights a bf16/fp16
+    gradient is sent as it is and summed in the master dtype (fp32) by its owner, so a bucket of
+    ``bucket_bytes`` is the same elements as when it was cast before an fp32 reduction (until
+    2026-11-24; layouts and checkpoints unchanged)."""
     return p.numel() * (master_dtype.itemsize if on_masters(p.dtype, master_dtype) else p.element_size())
 
 

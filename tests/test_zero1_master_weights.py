@@ -124,22 +124,25 @@ def test_each_rank_holds_one_nth_of_the_fp32_masters_and_state(ranks):
                 assert r["user_optimizer_state"] == 0 and not r["single_process_masters"], label
 
 
-def test_gradients_are_reduced_in_fp32_and_parameters_gathered_in_half_precision(ranks):
-    """The reduction carries fp32 (4 bytes per element: the cast comes before it), the gather the
-    parameters' bf16/fp16 (2 bytes). reduce_scatter plan: one reduce-scatter and one all-gather per
-    bucket, 6 bytes per parameter per step (1.5x DDP's bf16 all-reduce, 0.75x an fp32 one);
-    all_reduce plan (gloo's "auto"): one all-reduce per bucket and a broadcast per owner."""
+def test_half_precision_gradients_are_summed_in_fp32_by_their_owner_and_parameters_gathered_in_half(ranks):
+    """A bf16/fp16 bucket's gradients are sent as they are, 2 bytes per element, by one all-to-all per
+    bucket (each rank gets every rank's gradients of its own elements and sums them in fp32: the
+    graph-diff test below shows the cast and the sum); an fp32 bucket (the gain) is reduced as it
+    is, 4 bytes per element. The gather carries the parameters' bf16/fp16. reduce_scatter plan:
+    chunks padded; all_reduce plan (gloo's "auto"): unpadded, a broadcast per owner. A step sends
+    2 + 2 bytes per bf16 parameter: DDP's bf16 all-reduce volume, half an fp32 one."""
     for world, rank, result in _parity(ranks):
         found, expected, label = result["collectives"], result["expected_bytes"], _label(world, result)
-        reduced, gathered = (("reduce_scatter", "all_gather") if result.get("plan") == "reduce_scatter"
-                             else ("all_reduce", "broadcast"))
+        plan = result.get("plan") or "all_reduce"
+        reduced, gathered = ("reduce_scatter", "all_gather") if plan == "reduce_scatter" else ("all_reduce", "broadcast")
         unused = {"reduce_scatter", "all_gather", "all_reduce", "broadcast"} - {reduced, gathered}
         assert all(found[kind][0] == 0 for kind in unused), label
-        assert found[reduced][0] > 0 and found[gathered][0] >= found[reduced][0], label
+        assert found["all_to_all"][0] > 0 and found["all_to_all"][1] == expected["all_to_all"][plan], label
+        assert found[reduced][0] == (1 if result.get("gain") else 0), label       # the fp32 gain's bucket
         assert found[reduced][1] == expected[reduced], label
-        assert found[gathered][1] == expected[gathered], label
+        assert found[gathered][0] >= found["all_to_all"][0] and found[gathered][1] == expected[gathered], label
         if not result.get("gain"):                   # half-precision buckets only
-            assert found[reduced][1] == 2 * found[gathered][1], label
+            assert found["all_to_all"][1] == found[gathered][1], label
 
 
 def test_every_step_runs_the_sharded_fp32_update_and_lr_is_an_input(ranks):
@@ -163,10 +166,10 @@ def test_an_eager_opt_step_with_gradients_is_refused(ranks):
         assert "opt.step() was called with gradients" in result["eager_step_error"], _label(world, result)
 
 
-def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time(ranks):
+def test_in_backward_one_reduce_buffer_is_alive_at_a_time(ranks):
     """In Inductor's schedule of the sharded step (masters, optimizer_in_backward, one layer per
-    bucket) each bucket's fp32 reduce buffer is freed by its update before the next bucket's is
-    allocated (shard_optimizer._before_bucket_allocation): one alive at a time. Before that schedule
+    bucket) each bucket's reduce buffer (the bf16 bucket its all-to-all sends) is freed by its update
+    before the next bucket's is allocated (shard_optimizer._before_bucket_allocation): one alive at a time. Before that schedule
     the update came after the next bucket's last gradient, whose kernel Inductor fuses with the
     cast into the next buffer: two were alive."""
     found = ranks[2][0][6]
@@ -174,9 +177,9 @@ def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time(ranks):
     assert found["alive_at_once"] == 1, found
 
 
-def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_with_several_layers_per_bucket(ranks):
+def test_in_backward_one_reduce_buffer_is_alive_at_a_time_with_several_layers_per_bucket(ranks):
     """Two layers per bucket: the bucket's first gradient in backward is a bias's sum, and Inductor
-    fuses its fp32 cast into that sum, writing (so allocating) the bucket's buffer there, long before
+    fuses the copy into the bucket into that sum, writing (so allocating) the bucket's buffer there, long before
     the bucket's last gradient. The previous bucket's update goes before that first kernel
     (shard_optimizer._before_bucket_allocation), so one buffer is alive at a time. Placed before the
     last gradient, as for one layer per bucket, two were alive (a transformer layer's norm weights do
@@ -186,9 +189,9 @@ def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_with_several_laye
     assert found["alive_at_once"] == 1, found
 
 
-def test_in_backward_one_fp32_reduce_buffer_is_alive_at_a_time_when_a_bucket_border_splits_a_layers_norms(ranks):
+def test_in_backward_one_reduce_buffer_is_alive_at_a_time_when_a_bucket_border_splits_a_layers_norms(ranks):
     """A Llama layer's two RMSNorm weight gradients are sums over the same tokens: Inductor fuses them
-    into one kernel, and with them their fp32 casts, so with a bucket border between them that kernel
+    into one kernel, and with them their copies into the buckets, so with a bucket border between them that kernel
     allocated both buckets' buffers before the first bucket's reduce (2 alive at once, checked with the
     copy below removed). Each sum in a bucket of several parameters first goes through
     ``optpass::materialized`` (shard_optimizer._flat_gradients): one buffer at a time."""
@@ -368,11 +371,12 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +copy__7: f16[1, 3] = aten.copy_(in0, view_5)
 +return (detach_0, None, None)""")
 
-    def test_graph_diff_fp32_all_reduce_master_update_bf16_broadcast(self):
-        """Rank 0 of 2 on gloo (collectives "auto": all_reduce + a broadcast per owner), one bucket
-        (bias, then the weight: rank 0's chunk is the bias and the weight's first element): each bf16
-        gradient is cast to fp32 (before the cat: no bf16 copy of the bucket), cut rank-major and
-        all-reduced in place, rank 0 slices its chunk and divides by 2; SGD's own momentum update runs
+    def test_graph_diff_bf16_all_to_all_summed_in_fp32_master_update_bf16_broadcast(self):
+        """Rank 0 of 2 on gloo (collectives "auto": a broadcast per owner), one bucket (bias, then the
+        weight: rank 0's chunk is the bias and the weight's first element): the bf16 gradients, cut
+        rank-major, go through one all_to_all_single (each rank sends every rank its elements, in bf16),
+        rank 0 casts the 2 ranks' copies of its chunk to fp32, sums them and divides by 2 (an fp32
+        all-reduce's average, half the bytes, no fp32 copy of the bucket); SGD's own momentum update runs
         on the fp32 master chunk (an input, written in place); its rounding to bf16 is broadcast from
         rank 0, rank 1's bf16 chunk received into a bf16 buffer, and both are copied into the
         parameters (the weight, cut between the ranks, through slice_scatter: no buffer of its own);
@@ -380,22 +384,22 @@ class TestShardOptimizerWithMastersGraph(TestCase):
         self.assertExpectedInline(self.diff, """\
 --- before
 +++ after
-@@ -25,4 +25,6 @@
+@@ -25,4 +25,4 @@
 -empty_like_0: bf16[1, 3] = aten.empty_like(in0, pin_memory=False)
 -copy_0: bf16[1, 3] = aten.copy(empty_like_0, t_3)
 -empty_like_1: bf16[1] = aten.empty_like(in1, pin_memory=False)
 -copy_1: bf16[1] = aten.copy(empty_like_1, view_0)
 +view_1: bf16[1] = aten.view(view_0, [-1])
-+convert_element_type_0: f32[1] = prims.convert_element_type(view_1, torch.float32)
 +view_2: bf16[3] = aten.view(t_3, [-1])
-+convert_element_type_1: f32[3] = prims.convert_element_type(view_2, torch.float32)
-+cat_0: f32[4] = aten.cat([convert_element_type_0, convert_element_type_1])
-+all_reduce__0: f32[4] = _c10d_functional.all_reduce_(cat_0, 'sum', '0')
-@@ -30 +32,26 @@
++cat_0: bf16[4] = aten.cat([view_1, view_2])
++all_to_all_single_0: bf16[4] = _c10d_functional.all_to_all_single(cat_0, [2, 2], [2, 2], '0')
+@@ -30 +30,28 @@
 -return (detach_0, copy_0, copy_1)
-+wait_tensor_0: f32[4] = _c10d_functional.wait_tensor(all_reduce__0)
-+slice_0: f32[2] = aten.slice.Tensor(wait_tensor_0, 0, 0, 2)
-+div_1: f32[2] = aten.div.Tensor(slice_0, 2)
++wait_tensor_0: bf16[4] = _c10d_functional.wait_tensor(all_to_all_single_0)
++view_3: bf16[2, 2] = aten.view(wait_tensor_0, [2, 2])
++convert_element_type_0: f32[2, 2] = prims.convert_element_type(view_3, torch.float32)
++sum_1: f32[2] = aten.sum.dim_IntList(convert_element_type_0, [0])
++div_1: f32[2] = aten.div.Tensor(sum_1, 2)
 +mul_2: f32[2] = aten.mul.Tensor(in6, 0.9)
 +add_0: f32[2] = aten.add.Tensor(mul_2, div_1)
 +neg_0: f32[] = aten.neg(in4)
@@ -403,19 +407,19 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +copy_0: f32[2] = aten.copy(in5, fma_0)
 +copy__0: f32[2] = aten.copy_(in6, add_0)
 +copy__1: f32[2] = aten.copy_(in5, copy_0)
-+convert_element_type_2: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
-+broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_2, 0, '0')
++convert_element_type_1: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
++broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_1, 0, '0')
 +empty_0: bf16[2] = aten.empty.memory_format([2], dtype=torch.bfloat16, device=device('cpu'), pin_memory=False)
 +broadcast__1: bf16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
 +wait_tensor_1: bf16[2] = _c10d_functional.wait_tensor(broadcast__0)
 +wait_tensor_2: bf16[2] = _c10d_functional.wait_tensor(broadcast__1)
-+slice_1: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 0, 1)
-+view_3: bf16[1] = aten.view(slice_1, [1])
-+copy__2: bf16[1] = aten.copy_(in1, view_3)
-+slice_2: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 1, 2)
-+view_4: bf16[3] = aten.view(in0, [-1])
-+slice_scatter_0: bf16[3] = aten.slice_scatter(view_4, slice_2, 0, 0, 1)
++slice_0: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 0, 1)
++view_4: bf16[1] = aten.view(slice_0, [1])
++copy__2: bf16[1] = aten.copy_(in1, view_4)
++slice_1: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 1, 2)
++view_5: bf16[3] = aten.view(in0, [-1])
++slice_scatter_0: bf16[3] = aten.slice_scatter(view_5, slice_1, 0, 0, 1)
 +slice_scatter_1: bf16[3] = aten.slice_scatter(slice_scatter_0, wait_tensor_2, 0, 1, 3)
-+view_5: bf16[1, 3] = aten.view(slice_scatter_1, [1, 3])
-+copy__3: bf16[1, 3] = aten.copy_(in0, view_5)
++view_6: bf16[1, 3] = aten.view(slice_scatter_1, [1, 3])
++copy__3: bf16[1, 3] = aten.copy_(in0, view_6)
 +return (detach_0, None, None)""")

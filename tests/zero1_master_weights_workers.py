@@ -224,6 +224,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
         for scheduler in schedulers:
             scheduler.step()
     sharded = optpass.zero1.sharded_state(opt)
+    half_buckets = [b for b in sharded.layout.buckets if sharded.has_master(b)]
+    fp32_buckets = [b for b in sharded.layout.buckets if not sharded.has_master(b)]
     master_weights_error = _error_of(optpass.master_weights, opt)
     # an eager opt.step() with gradients would update the bf16 parameters and bypass the masters
     workers.loss_fn(model, *batches(0, world)[rank]).backward()
@@ -244,12 +246,15 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
         "single_process_masters": opt in optpass.mixed_precision._STORES,
         "master_weights_error": master_weights_error, "eager_step_error": eager_step_error,
         "collectives": collectives_in(steps[-1].graph_after),
-        # every bucket reduced in fp32 (the half-precision ones cast first), gathered in its parameters'
+        # a half-precision bucket's gradients are sent as they are (all-to-all) and summed in fp32 by their
+        # owner; an fp32 bucket (the gain) is reduced as it is; every bucket is gathered in its parameters'
         # dtype; reduce_scatter plan: chunks padded, all_reduce plan (gloo's auto): unpadded
         "expected_bytes": {
-            "reduce_scatter": sum(4 * world * b.chunk for b in sharded.layout.buckets),
+            "all_to_all": {"reduce_scatter": sum(2 * world * b.chunk for b in half_buckets),
+                           "all_reduce": sum(2 * _elements(b) for b in half_buckets)},
+            "reduce_scatter": sum(4 * world * b.chunk for b in fp32_buckets),
             "all_gather": sum(_element_size(sharded, b) * world * b.chunk for b in sharded.layout.buckets),
-            "all_reduce": sum(4 * _elements(b) for b in sharded.layout.buckets),
+            "all_reduce": sum(4 * _elements(b) for b in fp32_buckets),
             "broadcast": sum(_element_size(sharded, b) * _elements(b) for b in sharded.layout.buckets)},
         "step_compiles": len(steps),
         "every_step_sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
@@ -275,8 +280,8 @@ def _error_of(fn, *args) -> str | None:
 
 def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1) -> dict:
     """A bf16 MLP of 4 layers, ``layers_per_bucket`` layers per bucket, AdamW on fp32 masters,
-    optimizer_in_backward, lowered by Inductor: how many fp32 reduce buffers its generated schedule
-    keeps alive at once (each bucket's update frees its buffer before the next bucket's is
+    optimizer_in_backward, lowered by Inductor: how many reduce buffers (the bf16 buckets the
+    all-to-alls send) its generated schedule keeps alive at once (each bucket's update frees its buffer before the next bucket's is
     allocated: one)."""
     from optpass.models import MLP
     torch._dynamo.reset()
@@ -300,7 +305,7 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
 def reduce_buffers_in_backward_llama(rank: int, world: int) -> dict:
     """A one-layer bf16 LlamaForCausalLM (hidden 64, vocabulary 512) in two buckets whose border falls
     between the layer's two RMSNorm weights (post-attention norm in the first, input norm in the second),
-    AdamW on fp32 masters, optimizer_in_backward, lowered by Inductor: the fp32 reduce buffers its
+    AdamW on fp32 masters, optimizer_in_backward, lowered by Inductor: the reduce buffers its
     schedule keeps alive at once."""
     import torch.nn.functional as F
     import transformers

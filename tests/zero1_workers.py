@@ -190,7 +190,8 @@ def reduce_buffers_alive_at_once(code: str) -> tuple[int, int]:
             elif (m := re.match(r"(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b", line)) and m[2] in storage:
                 storage[m[1]] = storage[m[2]]
                 names[storage[m[2]]].add(m[1])
-            if m := re.search(r"_c10d_functional\.(?:all_reduce_|reduce_scatter_tensor)\.default\((buf\d+)", line):
+            if m := re.search(r"_c10d_functional\.(?:all_reduce_|reduce_scatter_tensor|all_to_all_single)\.default\("
+                              r"(?:reinterpret_tensor\()?(buf\d+)", line):
                 found.add(storage[m[1]])
             for name in re.findall(r"\bdel (buf\d+)", line):
                 sid = storage.pop(name, None)

@@ -78,26 +78,34 @@ plus one broadcast of the parameters.
 With master_weights (Megatron's distributed optimizer): the chunk of a bf16/fp16
 bucket that a rank updates is its fp32 master shard ``m``, an input of the graph
 (``zero1.ShardedOptimizer`` keeps it; the shard optimizer's state is fp32 too).
-Only the dtypes change, the collectives stay where they are:
+The reduce is an all-to-all of the half-precision gradients, summed in fp32 by
+the rank that owns them (``_AllToAllReduce``), in either plan; the gather stays:
 
-    flat  = cat([convert_element_type(bf16 gradient piece, f32) ...])     # cast BEFORE the reduction
-    chunk = <wait>(<reduce>(flat))                                         # fp32
-    new   = <torch.optim update of (m, chunk[:owned], state, lr)>;  copy_(m, new)
+    flat  = cat([bf16 gradient piece ...])                                 # rank-major, as it is
+    mine  = <wait>(all_to_all_single(flat))                                # every rank's copy of my chunk
+    chunk = sum(convert_element_type(view(mine, [N, owned]), f32), 0) / N  # the fp32 average
+    new   = <torch.optim update of (m, chunk, state, lr)>;  copy_(m, new)
     full  = <wait>(<gather>(convert_element_type(new, bf16)))
     copy_(p, view(slice_scatter(...(flat(p), full[piece of p])...), p.shape))
 
-The reduction runs in fp32 (``_in_reduction_dtype``), as Megatron's
-``grad_reduce_in_fp32``: gloo and NCCL reduce bf16/fp16 too, but a half-precision
-sum rounds to 8 (bf16) or 11 (fp16) bits at every addition, and an fp16 sum can
-overflow where the average would not. Measured on the tests' MLP against the
-Megatron-way reference (fp32 average; bench/zero1_master_weights_reduction.py):
-reducing in the half dtype put parameters up to 27 ulps and masters up to 5.7e-4
-(relative) off after one step from the same state (2-3 ranks, AdamW/SGD,
-bf16/fp16), against 0-1 ulp and 8e-7 for fp32.
-The price: the reduction carries 4 bytes per element instead of 2; with the
-reduce_scatter plan a step moves 6 bytes per parameter (fp32 in, bf16 out): 1.5x
-DDP's bf16 all-reduce, 0.75x an fp32 one. The all-gather carries the rounded parameters
-(``_in_param_dtype``), which is all a rank needs from the others.
+The sum is fp32, as Megatron's ``grad_reduce_in_fp32``: gloo and NCCL reduce
+bf16/fp16 too, but a half-precision sum rounds to 8 (bf16) or 11 (fp16) bits at
+every addition, and an fp16 sum can overflow where the average would not.
+Measured on the tests' MLP against the Megatron-way reference (fp32 average;
+bench/zero1_master_weights_reduction.py): reducing in the half dtype put
+parameters up to 27 ulps and masters up to 5.7e-4 (relative) off after one step
+from the same state (2-3 ranks, AdamW/SGD, bf16/fp16), against 0-1 ulp and 8e-7
+for fp32. Until 2026-11-24 the gradients were cast to fp32 before an fp32
+reduce (all_reduce_ / reduce_scatter_tensor): the same sum (bitwise at 2 ranks,
+the order of N > 2 fp32 additions aside), for twice the bytes and an fp32 copy
+of the bucket beside its bf16 gradients. Sent as they are, a rank holds the bf16
+bucket and what it receives (2 + 2 bytes per element, not 2 + 4), a step moves
+4 bytes per parameter (bf16 in, bf16 out: DDP's bf16 all-reduce volume), and on
+gloo (2 ranks, 1 thread each) the zero1 step of bench/mixed_precision.py took 0.65x
+(MLP) and 0.69x (Llama) the time of the fp32 all-reduce's. The
+all-gather carries the rounded parameters (``_in_param_dtype``), which is all a
+rank needs from the others. With a grad_scaler the gradients are unscaled into
+fp32 first (``loss_scaling``) and reduced in fp32 as fp32 buckets are.
 fp32 buckets (an fp32 parameter is its own master) are unchanged.
 """
 
@@ -398,15 +406,13 @@ def _(gradient):
 
 
 def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
-    """Each gradient of the bucket flat, in the reduction's dtype: cast one by one before they are
-    joined, so Inductor writes the fp32 bucket straight from the bf16/fp16 gradients (a cast after
-    the join would first materialize the joined half-precision bucket: one more bucket of bytes)."""
+    """Each gradient of the bucket flat, in its own dtype (bf16/fp16 gradients of a bucket on fp32
+    masters are sent as they are and summed in fp32 by their owner: ``_AllToAllReduce``)."""
     def fenced(g):
         if plan.in_backward and len(bucket.params) > 1 and _is_a_sum(g):
             return emit(torch.ops.optpass.materialized.default, g)
         return g
-    return {i: _in_reduction_dtype(emit, plan.sharded, bucket, emit.flat(fenced(gradients[plan.names[i]])))
-            for i in bucket.params}
+    return {i: emit.flat(fenced(gradients[plan.names[i]])) for i in bucket.params}
 
 
 def _emit_shard_update(emit: _Emitter, plan: ShardPlan, bucket, chunk, inputs: dict) -> torch.fx.Node | None:
@@ -522,12 +528,15 @@ class ReduceScatterPlan:
             used = sum(s.numel for s in segments)
             if used < bucket.chunk:
                 ranges.append((None, 0, bucket.chunk - used))
-        flat = _in_reduction_dtype(emit, self.sharded, bucket, emit.joined(ranges, like=flat_grad[bucket.params[0]]))
+        flat = emit.joined(ranges, like=flat_grad[bucket.params[0]])
+        if _summed_by_owner(self.sharded, bucket, flat):
+            return _AllToAllReduce.start(emit, self.sharded, flat, [bucket.chunk] * self.world)
         return emit(functional.reduce_scatter_tensor.default, flat, "avg", self.world, self.group)
 
     def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
         """This rank's averaged gradients (its owned elements; None: it owns none)."""
-        chunk = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
+        chunk = self._reduced[bucket.index] = _AllToAllReduce.finish(emit, self.sharded, started, bucket.chunk) \
+            if _AllToAllReduce.started(started) else emit(functional.wait_tensor.default, started)
         owned = bucket.owned(self.rank)
         return emit.piece(chunk, 0, owned) if owned else None
 
@@ -573,12 +582,16 @@ class AllReducePlan:
     def start_reduce(self, emit: _Emitter, bucket, flat_grad: dict) -> torch.fx.Node:
         flat = emit.joined([(flat_grad[s.param], s.start, s.stop) for segments in bucket.segments
                             for s in segments], like=flat_grad[bucket.params[0]])
-        flat = _in_reduction_dtype(emit, self.sharded, bucket, flat)
+        if _summed_by_owner(self.sharded, bucket, flat):
+            return _AllToAllReduce.start(emit, self.sharded, flat, [bucket.owned(r) for r in range(self.world)])
         return emit(functional.all_reduce_.default, _own(emit, flat), "sum", self.group)
 
     def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
-        reduced = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
         owned, start = bucket.owned(self.rank), self._starts(bucket)[self.rank]
+        if _AllToAllReduce.started(started):     # this rank's elements, averaged already
+            reduced = self._reduced[bucket.index] = _AllToAllReduce.finish(emit, self.sharded, started, owned)
+            return reduced if owned else None
+        reduced = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
         if not owned:
             return None
         return emit(aten.div.Tensor, emit.piece(reduced, start, start + owned), self.world)
@@ -640,14 +653,41 @@ def _chunk_dtype(sharded, bucket) -> torch.dtype:
     return sharded.master_dtype if sharded.has_master(bucket) else _param_dtype(sharded, bucket)
 
 
-def _in_reduction_dtype(emit: _Emitter, sharded, bucket, flat: torch.fx.Node) -> torch.fx.Node:
-    """A bucket updated on fp32 masters is reduced in fp32: each rank's bf16/fp16 gradients are cast
-    before the reduction, as Megatron's grad_reduce_in_fp32 does (the sum of N half-precision
-    gradients is then exact or rounded once, never rounded to 8 or 11 bits per addition, and an fp16
-    sum cannot overflow where the average would not). The price: the reduction moves fp32 bytes."""
-    if not sharded.has_master(bucket) or flat.meta["val"].dtype == sharded.master_dtype:
-        return flat                            # (already fp32: gradients unscaled into fp32)
-    return emit(convert_element_type, flat, sharded.master_dtype)
+def _summed_by_owner(sharded, bucket, flat: torch.fx.Node) -> bool:
+    """A bucket updated on fp32 masters whose gradients are bf16/fp16 (not unscaled into fp32 by a
+    grad_scaler) is reduced by ``_AllToAllReduce``: its sum is fp32, as Megatron's
+    grad_reduce_in_fp32 reduces (the sum of N half-precision gradients is rounded once, never to 8 or
+    11 bits per addition, and an fp16 sum cannot overflow where the average would not)."""
+    return sharded.has_master(bucket) and flat.meta["val"].dtype != sharded.master_dtype
+
+
+class _AllToAllReduce:
+    """The reduction of a half-precision bucket on fp32 masters, without an fp32 copy of the bucket:
+
+        received = all_to_all_single(flat, [n_me] * N, [n_0, ..., n_N-1])   # rank r sends my elements of
+        mine     = sum(convert(view(wait(received), [N, n_me]), f32), 0) / N  # its bucket; summed in fp32
+
+    Each rank gets every rank's bf16/fp16 gradients of the elements it owns and sums them in fp32, in
+    rank order: the fp32 sum of an fp32 all-reduce of the cast gradients (bitwise at 2 ranks), for
+    2 bytes per element sent instead of 4, and no fp32 buffer of the whole bucket: at the reduction
+    a rank holds the half-precision bucket and what it receives (2 + 2 bytes per element, instead of
+    2 + 4 for the cast bucket). Inductor unrolls the sum over N <= 8 ranks into the update's kernel."""
+
+    @staticmethod
+    def start(emit: _Emitter, sharded, flat: torch.fx.Node, sent: list[int]) -> torch.fx.Node:
+        world, rank = sharded.pg.world, sharded.rank
+        return emit(functional.all_to_all_single.default, flat, [sent[rank]] * world, sent, sharded.pg.name)
+
+    @staticmethod
+    def started(node: torch.fx.Node) -> bool:
+        return node.target is functional.all_to_all_single.default
+
+    @staticmethod
+    def finish(emit: _Emitter, sharded, started: torch.fx.Node, mine: int) -> torch.fx.Node:
+        world = sharded.pg.world
+        rows = emit(aten.view.default, emit(functional.wait_tensor.default, started), [world, mine])
+        total = emit(aten.sum.dim_IntList, emit(convert_element_type, rows, sharded.master_dtype), [0])
+        return emit(aten.div.Tensor, total, world)
 
 
 def _in_gather_dtype(emit: _Emitter, sharded, bucket, value: torch.fx.Node) -> torch.fx.Node:
@@ -668,14 +708,15 @@ def _in_param_dtype(emit: _Emitter, plan: ShardPlan, shard_name: str, new_shard:
 def collectives_in(graph: torch.fx.Graph) -> dict[str, list[int]]:
     """Count and size a graph's functional collectives: kind -> [count, bytes per rank].
 
-    Bytes are the buffer each rank hands in (reduce-scatter) or gets out
+    Bytes are the buffer each rank hands in (reduce-scatter, all-to-all) or gets out
     (all-gather, all-reduce, broadcast), the figure to compare with DDP's all-reduce buckets."""
-    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0], "broadcast": [0, 0]}
+    found = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0], "broadcast": [0, 0],
+             "all_to_all": [0, 0]}
     for node in graph.nodes:
         name = getattr(node.target, "__name__", "")
         for kind, counts in found.items():
             if name.startswith(kind):
-                val = node.args[0].meta["val"] if kind == "reduce_scatter" else node.meta["val"]
+                val = node.args[0].meta["val"] if kind in ("reduce_scatter", "all_to_all") else node.meta["val"]
                 counts[0] += 1
                 counts[1] += val.numel() * val.element_size()
     return found
