@@ -177,6 +177,16 @@ def test_in_backward_one_reduce_buffer_is_alive_at_a_time(ranks):
     assert found["alive_at_once"] == 1, found
 
 
+def test_in_backward_a_gather_receives_into_a_buffer_allocated_after_the_update_freed_its_chunk(ranks):
+    """On gloo a rank receives the other ranks' new shards into buffers of its own. Allocated by an
+    ``empty``, Inductor put them before the update, beside the chunk of averaged gradients it reads;
+    ``optpass::empty_after`` (an extern kernel reading the update's result) allocates them after
+    the update, once the chunk is deleted (bench/mixed_precision.py's MLP, rank 1: steady live-tensor
+    peak 8.51 -> 8.43 B/param)."""
+    found = ranks[2][0][6]["receive_buffers_after_the_chunk"]
+    assert found == [True] * 4, found
+
+
 def test_in_backward_one_reduce_buffer_is_alive_at_a_time_with_several_layers_per_bucket(ranks):
     """Two layers per bucket: the bucket's first gradient in backward is a bias's sum, and Inductor
     fuses the copy into the bucket into that sum, writing (so allocating) the bucket's buffer there, long before
@@ -356,8 +366,8 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +copy__5: f32[2] = aten.copy_(in9, where_1)
 +convert_element_type_7: f16[2] = prims.convert_element_type(where_1, torch.float16)
 +broadcast__0: f16[2] = _c10d_functional.broadcast_(convert_element_type_7, 0, '0')
-+empty_0: f16[2] = aten.empty.memory_format([2], dtype=torch.float16, device=device('cpu'), pin_memory=False)
-+broadcast__1: f16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
++empty_after_0: f16[2] = optpass.empty_after(convert_element_type_7, 2)
++broadcast__1: f16[2] = _c10d_functional.broadcast_(empty_after_0, 1, '0')
 +wait_tensor_2: f16[2] = _c10d_functional.wait_tensor(broadcast__0)
 +wait_tensor_3: f16[2] = _c10d_functional.wait_tensor(broadcast__1)
 +slice_1: f16[1] = aten.slice.Tensor(wait_tensor_2, 0, 0, 1)
@@ -409,8 +419,8 @@ class TestShardOptimizerWithMastersGraph(TestCase):
 +copy__1: f32[2] = aten.copy_(in5, copy_0)
 +convert_element_type_1: bf16[2] = prims.convert_element_type(copy_0, torch.bfloat16)
 +broadcast__0: bf16[2] = _c10d_functional.broadcast_(convert_element_type_1, 0, '0')
-+empty_0: bf16[2] = aten.empty.memory_format([2], dtype=torch.bfloat16, device=device('cpu'), pin_memory=False)
-+broadcast__1: bf16[2] = _c10d_functional.broadcast_(empty_0, 1, '0')
++empty_after_0: bf16[2] = optpass.empty_after(convert_element_type_1, 2)
++broadcast__1: bf16[2] = _c10d_functional.broadcast_(empty_after_0, 1, '0')
 +wait_tensor_1: bf16[2] = _c10d_functional.wait_tensor(broadcast__0)
 +wait_tensor_2: bf16[2] = _c10d_functional.wait_tensor(broadcast__1)
 +slice_0: bf16[1] = aten.slice.Tensor(wait_tensor_1, 0, 0, 1)

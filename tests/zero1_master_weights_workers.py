@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import time
 
 import torch
@@ -299,7 +300,21 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     code = next(c for c in codes if "_c10d_functional" in c)
     alive, buffers = workers.reduce_buffers_alive_at_once(code)
     return {"alive_at_once": alive, "reduce_buffers": buffers,
-            "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets)}
+            "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets),
+            "receive_buffers_after_the_chunk": _receive_buffers_after_the_chunk(code)}
+
+
+def _receive_buffers_after_the_chunk(code: str) -> list[bool]:
+    """For each receive buffer of a gather (``optpass::empty_after``) in Inductor's generated ``call``:
+    whether the chunk the update read (the last all-to-all's output) was deleted before it."""
+    received, deleted, found = None, set(), []
+    for line in code[code.index("def call("):].splitlines():
+        if m := re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line):
+            received = m[1]
+        deleted.update(re.findall(r"\bdel (buf\d+)", line))
+        if "torch.ops.optpass.empty_after.default(" in line:
+            found.append(received in deleted)
+    return found
 
 
 def reduce_buffers_in_backward_llama(rank: int, world: int) -> dict:

@@ -405,6 +405,18 @@ def _(gradient):
     return torch.empty_like(gradient)
 
 
+@torch.library.custom_op("optpass::empty_after", mutates_args=())
+def empty_after(after: torch.Tensor, numel: int) -> torch.Tensor:
+    """An uninitialized 1-d tensor of `after`'s dtype, allocated only once `after` exists (an extern kernel
+    that reads it, so Inductor cannot allocate it earlier)."""
+    return after.new_empty(numel)
+
+
+@empty_after.register_fake
+def _(after, numel):
+    return after.new_empty(numel)
+
+
 def _flat_gradients(emit: _Emitter, plan: ShardPlan, bucket, gradients: dict) -> dict[int, torch.fx.Node]:
     """Each gradient of the bucket flat, in its own dtype (bf16/fp16 gradients of a bucket on fp32
     masters are sent as they are and summed in fp32 by their owner: ``_AllToAllReduce``)."""
@@ -611,6 +623,10 @@ class AllReducePlan:
                 piece = emit.piece(reduced, starts[rank], starts[rank] + owned)
                 started.append((rank, emit(functional.broadcast.default, piece, rank, self.group)))
                 continue
+            elif new_shard is not None:
+                # allocated after this rank's update (an extern kernel that reads its result), when the
+                # reduced chunk the update read is dead: Inductor allocates an `empty` before the update
+                buffer = emit(torch.ops.optpass.empty_after.default, new_shard, owned)
             else:
                 val = reduced.meta["val"]
                 buffer = emit(aten.empty.memory_format, [owned], dtype=_param_dtype(self.sharded, bucket),
