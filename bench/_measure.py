@@ -107,19 +107,25 @@ _COUNTING_ALLOCATOR_CPP = r"""
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
-#include <atomic>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 namespace {
 // c10's CPU allocation (c10::alloc_cpu, 64-byte aligned) with a 64-byte header that holds the
-// size: every tensor allocation adds its bytes to `live` (and raises `peak`), and the deleter
-// takes them off again -- on whatever thread the tensor dies. The data pointer is its own
-// context, as c10's default allocator gives it (raw_allocate / raw_deallocate work).
+// size: every tensor allocation adds its bytes to `live` and its deleter takes them off again,
+// on whatever thread the tensor dies. The data pointer is its own context, as c10's default
+// allocator gives it (raw_allocate / raw_deallocate work). Allocations of at least kListed
+// bytes are listed, so that the run's peak can say which large tensors were alive.
 constexpr size_t kHeader = 64;
+constexpr int64_t kListed = 1 << 20;
 
 struct CountingCPUAllocator final : c10::Allocator {
   bool installed = false;
-  std::atomic<int64_t> live{0}, peak{0}, allocations{0};
+  std::mutex mutex;
+  int64_t live = 0, window_peak = 0, run_peak = 0, allocations = 0, run_peak_at = 0;
+  std::unordered_map<void*, std::pair<int64_t, int64_t>> listed;   // data -> (bytes, allocation number)
+  std::vector<std::pair<int64_t, int64_t>> listed_at_run_peak;
 
   static CountingCPUAllocator& instance() {
     static auto* allocator = new CountingCPUAllocator();   // never destroyed: tensors may outlive main()
@@ -130,7 +136,12 @@ struct CountingCPUAllocator final : c10::Allocator {
     char* block = static_cast<char*>(data) - kHeader;
     int64_t bytes;
     std::memcpy(&bytes, block, sizeof(bytes));
-    instance().live.fetch_sub(bytes);
+    auto& a = instance();
+    {
+      std::lock_guard<std::mutex> guard(a.mutex);
+      a.live -= bytes;
+      if (bytes >= kListed) a.listed.erase(data);
+    }
     c10::free_cpu(block);
   }
   c10::DataPtr allocate(size_t n) override {
@@ -138,10 +149,19 @@ struct CountingCPUAllocator final : c10::Allocator {
     const int64_t bytes = static_cast<int64_t>(n);
     std::memcpy(block, &bytes, sizeof(bytes));
     void* data = block + kHeader;
-    const int64_t now = live.fetch_add(bytes) + bytes;
-    int64_t seen = peak.load();
-    while (now > seen && !peak.compare_exchange_weak(seen, now)) {}
-    allocations.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      live += bytes;
+      ++allocations;
+      if (bytes >= kListed) listed[data] = {bytes, allocations};
+      window_peak = std::max(window_peak, live);
+      if (live > run_peak) {
+        run_peak = live;
+        run_peak_at = allocations;
+        listed_at_run_peak.clear();
+        for (const auto& entry : listed) listed_at_run_peak.push_back(entry.second);
+      }
+    }
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -159,20 +179,31 @@ bool install() {
   }
   return c10::GetCPUAllocator() == &a;
 }
+// live bytes, the window's peak, the run's peak, allocations so far, the allocation that set the run's peak
 std::vector<int64_t> counters() {
   auto& a = CountingCPUAllocator::instance();
-  return {a.live.load(), a.peak.load(), a.allocations.load()};
+  std::lock_guard<std::mutex> guard(a.mutex);
+  return {a.live, a.window_peak, a.run_peak, a.allocations, a.run_peak_at};
 }
-int64_t reset_peak() {   // the peak from now on: live bytes
+void reset_window() {   // the window's peak from now on: live bytes
   auto& a = CountingCPUAllocator::instance();
-  const int64_t now = a.live.load();
-  a.peak.store(now);
-  return now;
+  std::lock_guard<std::mutex> guard(a.mutex);
+  a.window_peak = a.live;
 }
-void raise_peak(int64_t value) {   // the peak is at least `value` (an earlier range's)
+void reset_run() {   // the run starts now
   auto& a = CountingCPUAllocator::instance();
-  int64_t seen = a.peak.load();
-  while (value > seen && !a.peak.compare_exchange_weak(seen, value)) {}
+  std::lock_guard<std::mutex> guard(a.mutex);
+  a.window_peak = a.run_peak = a.live;
+  a.run_peak_at = a.allocations;
+  a.listed_at_run_peak.clear();
+}
+// (bytes, allocation number) of every listed tensor alive when the run's peak was set
+std::vector<std::vector<int64_t>> listed_at_run_peak() {
+  auto& a = CountingCPUAllocator::instance();
+  std::lock_guard<std::mutex> guard(a.mutex);
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& entry : a.listed_at_run_peak) out.push_back({entry.first, entry.second});
+  return out;
 }
 """
 
@@ -185,12 +216,14 @@ class CPUTensorBytes:
     ``start()`` installs a c10 CPU allocator that allocates as c10's default one does
     (``c10::alloc_cpu``) with a 64-byte header holding the size: each allocation adds its
     size to a running total and its deleter subtracts it, on whichever thread the tensor
-    dies (a gloo worker's included), under atomics. The maximum of that total is the peak
+    dies (a gloo worker's included), under a mutex. The maximum of that total is the peak
     of live tensor bytes allocated since ``start()``: no glibc retention, no compile
     state, no tensor allocated before ``start()`` (nor its free). Memory still comes from
     glibc as before (64 bytes more per tensor), so RSS is measured in the same process.
-    Once installed it stays for the life of the process; torch.profiler's memory events
-    no longer see CPU allocations (c10's default allocator reports them, this one does not).
+    Tensors of 1 MiB or more are listed, so ``stop()`` also says which were alive at the
+    run's peak. Once installed it stays for the life of the process; torch.profiler's
+    memory events no longer see CPU allocations (c10's default allocator reports them,
+    this one does not).
     """
 
     def __init__(self) -> None:
@@ -205,14 +238,15 @@ class CPUTensorBytes:
             return
         from torch.utils.cpp_extension import load_inline
         self._ext = load_inline("optpass_bench_counting_cpu_allocator", cpp_sources=_COUNTING_ALLOCATOR_CPP,
-                                functions=["install", "counters", "reset_peak", "raise_peak"], extra_cflags=["-O2"])
+                                functions=["install", "counters", "reset_window", "reset_run",
+                                           "listed_at_run_peak"], extra_cflags=["-O2"])
 
     def start(self) -> None:
         """Install the allocator: tensors allocated from here on are counted."""
         self.load()
         if not self._ext.install():
             raise RuntimeError("another CPU allocator with a higher priority is installed")
-        self._ext.reset_peak()
+        self._ext.reset_run()
         self.on = True
 
     def live_bytes(self) -> int:
@@ -227,20 +261,29 @@ class CPUTensorBytes:
             if not self.on:
                 yield
                 return
-            peak_before = self._ext.counters()[1]
-            self._ext.reset_peak()
+            self._ext.reset_window()
+            first = self._ext.counters()[3] + 1
             try:
                 yield
             finally:
-                live, peak, _ = self._ext.counters()
-                self._marks[name] = {"peak_bytes": peak, "end_bytes": live}
-                self._ext.raise_peak(peak_before)   # the whole run's peak goes on
+                live, window_peak, _, allocations, _ = self._ext.counters()
+                self._marks[name] = {"peak_bytes": window_peak, "end_bytes": live,
+                                     "allocations": (first, allocations)}
         return measured()
 
     def stop(self) -> dict:
-        """``peak_bytes``, ``end_bytes``, ``allocations`` and per mark ``{name: {"peak_bytes",
-        "end_bytes"}}`` (``end_bytes``: live at the range's end); a name marked twice keeps its
-        last range. The allocator stays installed; counting goes on."""
-        live, peak, allocations = self._ext.counters()
+        """``peak_bytes``, ``end_bytes``, ``allocations``, per mark ``{name: {"peak_bytes",
+        "end_bytes"}}`` (``end_bytes``: live at the range's end; a name marked twice keeps its
+        last range), and ``peak_in`` (the mark the run's peak fell in) with ``alive_at_peak``:
+        the sizes of the tensors of 1 MiB or more alive at the run's peak that were allocated
+        in that mark, largest first. The allocator stays installed; counting goes on."""
+        live, _, run_peak, allocations, run_peak_at = self._ext.counters()
         self.on = False
-        return {"peak_bytes": peak, "end_bytes": live, "allocations": allocations, "marks": dict(self._marks)}
+        peak_in = next((name for name, m in self._marks.items()
+                        if m["allocations"][0] <= run_peak_at <= m["allocations"][1]), None)
+        since = self._marks[peak_in]["allocations"][0] if peak_in else 0
+        alive = sorted((b for b, number in self._ext.listed_at_run_peak() if number >= since), reverse=True)
+        return {"peak_bytes": run_peak, "end_bytes": live, "allocations": allocations, "peak_in": peak_in,
+                "alive_at_peak": alive,
+                "marks": {k: {"peak_bytes": m["peak_bytes"], "end_bytes": m["end_bytes"]}
+                          for k, m in self._marks.items()}}

@@ -297,11 +297,13 @@ def _tensor_fields(t: dict, n_params: int, args) -> dict:
         "tensor_peak_bytes": t["peak_bytes"], "bytes_per_param_tensor_peak": t["peak_bytes"] / n_params,
         "tensor_peak_steady_bytes": steady, "bytes_per_param_tensor_steady": steady / n_params,
         "tensor_peak_first_step_bytes": marks["warmup 0"]["peak_bytes"] if args.warmup else None,
-        "tensor_peak_in": max(marks, key=lambda k: marks[k]["peak_bytes"]),
+        "tensor_peak_in": t["peak_in"],
         "tensor_peak_by_mark": {k: v["peak_bytes"] for k, v in marks.items()},
         # live after the model is built and after every step: constant across steps unless a free was missed
         "tensor_live_after": {k: v["end_bytes"] for k, v in marks.items()},
         "tensor_allocations": t["allocations"],
+        # tensors of >= 1 MiB alive at the run's peak that were allocated in the mark it fell in (MB)
+        "tensor_alive_at_peak_mb": [round(b / _MB, 2) for b in t["alive_at_peak"]],
     }
 
 
@@ -379,7 +381,9 @@ def run_parent(args) -> None:
                       f"{r['bytes_per_param_steady']:.2f} B/param | live tensors: peak "
                       f"{_fmt(r.get('bytes_per_param_tensor_peak'))} B/param (in {r.get('tensor_peak_in', '-')}), "
                       f"steady {_fmt(r.get('bytes_per_param_tensor_steady'))}"
-                      f" | step {r['median_step_s'] * 1e3:.0f} ms,"
+                      + (f", alive at the peak (>= 1 MiB, from its step, MB): {r['tensor_alive_at_peak_mb']}"
+                         if "tensor_alive_at_peak_mb" in r else "")
+                      + f" | step {r['median_step_s'] * 1e3:.0f} ms,"
                       f" warm-up "
                       f"{', '.join(f'{t:.1f}' for t in r['warmup_call_s'])} s, process {r.get('process_wall_s', '-')} s",
                       flush=True)

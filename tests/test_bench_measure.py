@@ -50,6 +50,8 @@ def _toy() -> None:
         del d
     result = live.stop()
     assert result["peak_bytes"] == max(n, 2 * m) + base, result
+    # which tensors were alive at the run's peak: those of "two" (`kept` is older than the mark)
+    assert result["peak_in"] == "two" and result["alive_at_peak"] == [m, m], result
     assert result["marks"]["one"] == {"peak_bytes": n + base, "end_bytes": base}
     assert result["marks"]["two"] == {"peak_bytes": 2 * m + base, "end_bytes": base}
     assert result["marks"]["three"] == {"peak_bytes": m // 2 + base, "end_bytes": base}, result
