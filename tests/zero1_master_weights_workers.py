@@ -301,20 +301,20 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     alive, buffers = workers.reduce_buffers_alive_at_once(code)
     return {"alive_at_once": alive, "reduce_buffers": buffers,
             "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets),
-            "receives": _receives(code)}
+            "receive_buffers_after_the_chunk": _receive_buffers_after_the_chunk(code)}
 
 
-def _receives(code: str) -> dict:
-    """Where Inductor's generated ``call`` receives the other ranks' new shards: how many broadcasts
-    write into an all-to-all's output (dead once the update read it), and how many buffers
-    ``optpass::empty_after`` allocates for them."""
-    received, into = set(), 0
+def _receive_buffers_after_the_chunk(code: str) -> list[bool]:
+    """For each receive buffer of a gather (``optpass::empty_after``) in Inductor's generated ``call``:
+    whether the chunk the update read (the last all-to-all's output) was deleted before it."""
+    received, deleted, found = None, set(), []
     for line in code[code.index("def call("):].splitlines():
         if m := re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line):
-            received.add(m[1])
-        if (m := re.search(r"_c10d_functional\.broadcast_\.default\(reinterpret_tensor\((buf\d+)", line)) and m[1] in received:
-            into += 1
-    return {"into_the_all_to_all_output": into, "buffers_allocated": code.count("torch.ops.optpass.empty_after.default(")}
+            received = m[1]
+        deleted.update(re.findall(r"\bdel (buf\d+)", line))
+        if "torch.ops.optpass.empty_after.default(" in line:
+            found.append(received in deleted)
+    return found
 
 
 def reduce_buffers_in_backward_llama(rank: int, world: int) -> dict:

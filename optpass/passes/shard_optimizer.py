@@ -549,7 +549,7 @@ class ReduceScatterPlan:
 
     def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
         """This rank's averaged gradients (its owned elements; None: it owns none)."""
-        chunk = self._reduced[bucket.index] = _AllToAllReduce.finish(emit, self.sharded, started, bucket.chunk)[1] \
+        chunk = self._reduced[bucket.index] = _AllToAllReduce.finish(emit, self.sharded, started, bucket.chunk) \
             if _AllToAllReduce.started(started) else emit(functional.wait_tensor.default, started)
         owned = bucket.owned(self.rank)
         return emit.piece(chunk, 0, owned) if owned else None
@@ -577,7 +577,6 @@ class AllReducePlan:
     def __init__(self, sharded):
         self.sharded, self.world, self.rank, self.group = sharded, sharded.pg.world, sharded.rank, sharded.pg.name
         self._reduced: dict[int, torch.fx.Node] = {}          # bucket -> the waited all-reduce
-        self._received: dict[int, torch.fx.Node] = {}         # bucket -> the waited all-to-all's output
 
     @staticmethod
     def describe(layout) -> str:
@@ -604,8 +603,7 @@ class AllReducePlan:
     def finish_reduce(self, emit: _Emitter, bucket, started: torch.fx.Node) -> torch.fx.Node | None:
         owned, start = bucket.owned(self.rank), self._starts(bucket)[self.rank]
         if _AllToAllReduce.started(started):     # this rank's elements, averaged already
-            self._received[bucket.index], reduced = _AllToAllReduce.finish(emit, self.sharded, started, owned)
-            self._reduced[bucket.index] = reduced
+            reduced = self._reduced[bucket.index] = _AllToAllReduce.finish(emit, self.sharded, started, owned)
             return reduced if owned else None
         reduced = self._reduced[bucket.index] = emit(functional.wait_tensor.default, started)
         if not owned:
@@ -614,10 +612,6 @@ class AllReducePlan:
 
     def start_gather(self, emit: _Emitter, bucket, new_shard: torch.fx.Node | None) -> list:
         starts, started, reduced = self._starts(bucket), [], self._reduced[bucket.index]
-        received = self._received.get(bucket.index)
-        if new_shard is not None and received is not None and \
-                received.meta["val"].numel() >= sum(bucket.owned(r) for r in range(self.world)):
-            return self._gather_into(emit, bucket, new_shard, received)
         for rank in range(self.world):
             owned = bucket.owned(rank)
             if not owned:
@@ -640,20 +634,6 @@ class AllReducePlan:
                 buffer = emit(aten.empty.memory_format, [owned], dtype=_param_dtype(self.sharded, bucket),
                               device=val.device, pin_memory=False)
             started.append((rank, emit(functional.broadcast_.default, buffer, rank, self.group)))
-        return started
-
-    def _gather_into(self, emit: _Emitter, bucket, new_shard: torch.fx.Node, received: torch.fx.Node) -> list:
-        """The other ranks' new shards received into the all-to-all's output, dead once the update has
-        read it (its N rows of this rank's elements are as long as the bucket), each where its elements
-        go: no receive buffer. (Copying this rank's new shard there too would make Inductor write the
-        update to an fp32 buffer first: the update's kernel reads that output.)"""
-        starts, started = self._starts(bucket), []
-        for rank in range(self.world):
-            owned = bucket.owned(rank)
-            if not owned:
-                continue
-            piece = _own(emit, new_shard) if rank == self.rank else emit.piece(received, starts[rank], starts[rank] + owned)
-            started.append((rank, emit(functional.broadcast_.default, piece, rank, self.group)))
         return started
 
     def finish_gather(self, emit: _Emitter, bucket, started: list) -> list[tuple]:
@@ -721,13 +701,11 @@ class _AllToAllReduce:
         return node.target is functional.all_to_all_single.default
 
     @staticmethod
-    def finish(emit: _Emitter, sharded, started: torch.fx.Node, mine: int) -> tuple[torch.fx.Node, torch.fx.Node]:
-        """(what this rank received, its elements averaged in fp32)."""
+    def finish(emit: _Emitter, sharded, started: torch.fx.Node, mine: int) -> torch.fx.Node:
         world = sharded.pg.world
-        received = emit(functional.wait_tensor.default, started)
-        rows = emit(aten.view.default, received, [world, mine])
+        rows = emit(aten.view.default, emit(functional.wait_tensor.default, started), [world, mine])
         total = emit(aten.sum.dim_IntList, emit(convert_element_type, rows, sharded.master_dtype), [0])
-        return received, emit(aten.div.Tensor, total, world)
+        return emit(aten.div.Tensor, total, world)
 
 
 def _in_gather_dtype(emit: _Emitter, sharded, bucket, value: torch.fx.Node) -> torch.fx.Node:
