@@ -101,8 +101,8 @@ the order of N > 2 fp32 additions aside), for twice the bytes and an fp32 copy
 of the bucket beside its bf16 gradients. Sent as they are, a rank holds the bf16
 bucket and what it receives (2 + 2 bytes per element, not 2 + 4), a step moves
 4 bytes per parameter (bf16 in, bf16 out: DDP's bf16 all-reduce volume), and on
-gloo (2 ranks, 1 thread each) the zero1 step of bench/mixed_precision.py took 0.65x
-(MLP) and 0.69x (Llama) the time of the fp32 all-reduce's. The
+gloo (2 ranks, 1 thread each) the zero1 step of bench/mixed_precision.py went from
+0.98x to 0.72x (MLP) and from 1.59x to 1.00x (Llama) the by-hand step's time. The
 all-gather carries the rounded parameters (``_in_param_dtype``), which is all a
 rank needs from the others; on gloo (the all_reduce plan's broadcasts) the other
 ranks' shards are received into buffers allocated after the update
