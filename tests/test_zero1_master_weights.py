@@ -19,7 +19,8 @@ import zero1_master_weights_workers as workers
 from distributed import run_ranks, values
 
 # Every (optimizer, dtype, placement) once per world size; partitions, an fp32 parameter, a
-# scheduler and the reduce_scatter plan (gloo's "auto" is all_reduce) spread over them.
+# scheduler, the reduce_scatter plan (gloo's "auto" is all_reduce) and clipping by the global fp32
+# norm of the averaged gradients (3 ranks, after backward) spread over them.
 # Inductor: a Linear(6, 1) (its compile time grows with the graph).
 CASES = {
     2: [{"optimizer": "AdamW", "dtype": "bf16", "in_backward": False, "partition": "even", "gain": True,
@@ -33,7 +34,7 @@ CASES = {
     3: [{"optimizer": "AdamW", "dtype": "bf16", "in_backward": True, "partition": "greedy", "scheduler": True},
         {"optimizer": "AdamW", "dtype": "fp16", "in_backward": False, "partition": "even", "gain": True},
         {"optimizer": "SGD", "dtype": "bf16", "in_backward": False, "partition": "even", "scheduler": True,
-         "plan": "reduce_scatter"},
+         "plan": "reduce_scatter", "clip": 0.05},
         {"optimizer": "SGD", "dtype": "fp16", "in_backward": True, "partition": "greedy", "gain": True}],
 }
 
@@ -133,10 +134,13 @@ def test_half_precision_gradients_are_summed_in_fp32_by_their_owner_and_paramete
     2 + 2 bytes per bf16 parameter: DDP's bf16 all-reduce volume, half an fp32 one."""
     for world, rank, result in _parity(ranks):
         found, expected, label = result["collectives"], result["expected_bytes"], _label(world, result)
+        if result.get("clip"):                       # clipping: one all_reduce of the squared norm (fp32)
+            assert found["all_reduce"][0] >= 1 and result.get("plan") == "reduce_scatter", label
+            found = {**found, "all_reduce": [found["all_reduce"][0] - 1, found["all_reduce"][1] - 4]}
         plan = result.get("plan") or "all_reduce"
         reduced, gathered = ("reduce_scatter", "all_gather") if plan == "reduce_scatter" else ("all_reduce", "broadcast")
         unused = {"reduce_scatter", "all_gather", "all_reduce", "broadcast"} - {reduced, gathered}
-        assert all(found[kind][0] == 0 for kind in unused), label
+        assert all(found[kind] == [0, 0] for kind in unused), (label, found)
         assert found["all_to_all"][0] > 0 and found["all_to_all"][1] == expected["all_to_all"][plan], label
         assert found[reduced][0] == (1 if result.get("gain") else 0), label       # the fp32 gain's bucket
         assert found[reduced][1] == expected[reduced], label

@@ -69,10 +69,17 @@ def batches(step: int, world: int) -> list:
 class DataParallelMegatron(MegatronReference):
     """Megatron's mixed-precision step over N data-parallel ranks, in one process: each rank's
     half-precision gradients of its batch are cast to fp32 and averaged over the ranks (Megatron
-    with grad_reduce_in_fp32), torch.optim updates the fp32 masters, the model takes their rounding."""
+    with grad_reduce_in_fp32), [clip_grad_norm_ of those fp32 main gradients], torch.optim updates
+    the fp32 masters, the model takes their rounding."""
+
+    def __init__(self, model: nn.Module, make_optimizer, update: str = "eager", clip: float | None = None):
+        super().__init__(model, make_optimizer, update)
+        self.clip = clip
 
     def step(self, per_rank: list, loss_fn=workers.loss_fn):
         self.average_into_main_grads(per_rank, loss_fn, lambda loss: loss.backward())
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.clip)
         self.update()
         self.opt.zero_grad()
         self.copy_masters_back()
@@ -161,7 +168,7 @@ def compile_step(model, opt, case: dict):
         "optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
         "lower": case.get("lower", "eager"), "partition": case["partition"],
         "optimizer_in_backward": case.get("in_backward", False), "bucket_bytes": BUCKET_BYTES,
-        "collectives": case.get("plan", "auto")})
+        "collectives": case.get("plan", "auto"), "clip_grad_norm": case.get("clip")})
 
 
 def start_model(case: dict) -> nn.Module:
@@ -204,8 +211,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     model = copy.deepcopy(start)
     opt = make_optimizer(case["optimizer"], list(model.parameters()))
     make = functools.partial(make_optimizer, case["optimizer"])
-    compiled_ref = DataParallelMegatron(copy.deepcopy(start), make, update="compiled")
-    eager_ref = DataParallelMegatron(copy.deepcopy(start), make)
+    compiled_ref = DataParallelMegatron(copy.deepcopy(start), make, update="compiled", clip=case.get("clip"))
+    eager_ref = DataParallelMegatron(copy.deepcopy(start), make, clip=case.get("clip"))
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5)
                   for o in (opt, compiled_ref.opt, eager_ref.opt)] if case.get("scheduler") else []
     step = compile_step(model, opt, case)
@@ -464,9 +471,8 @@ class ScaledDataParallelMegatron(DataParallelMegatron):
     [clip_grad_norm_ of the fp32 main gradients], scaler.step (skipped on inf/nan), scaler.update."""
 
     def __init__(self, model: nn.Module, make_optimizer, update: str = "eager", clip: float | None = None):
-        super().__init__(model, make_optimizer, update)
+        super().__init__(model, make_optimizer, update, clip)
         self.scaler = torch.amp.GradScaler("cpu", **SCALER)
-        self.clip = clip
         self.opt.step = self.update                  # what scaler.step(opt) calls
 
     def step(self, per_rank: list, loss_fn=workers.loss_fn):
