@@ -249,9 +249,6 @@ class CPUTensorBytes:
         self._ext.reset_run()
         self.on = True
 
-    def live_bytes(self) -> int:
-        return self._ext.counters()[0]
-
     def mark(self, name: str):
         """A context manager: a named range whose own peak and end value ``stop()`` reports."""
         import contextlib

@@ -52,8 +52,8 @@ the most bytes of CPU tensors alive at once over the whole run (from before the
 model is built through the last measured step, the first step included) -- what
 ``torch.cuda.max_memory_allocated()`` reports on a GPU: the tensor design's peak,
 without glibc's retention or the compile state. ``_measure.CPUTensorBytes`` counts it:
-a c10 CPU allocator wrapping the default one adds each allocation's bytes to a running
-total and the tensor's deleter takes them off, on whatever thread the tensor dies
+a c10 CPU allocator that allocates as the default one does adds each allocation's bytes to
+a running total and the tensor's deleter takes them off, on whatever thread the tensor dies
 (gloo's workers included), checked exact on a toy (tests/test_bench_measure.py). It
 does not change where memory comes from, so it runs in the same process as the RSS
 headline (``--tensor-peak off`` skips it). Also printed: the live-tensor peak of the
