@@ -686,18 +686,31 @@ class _AllToAllReduce:
     """The reduction of a half-precision bucket on fp32 masters, without an fp32 copy of the bucket:
 
         received = all_to_all_single(flat, [n_me] * N, [n_0, ..., n_N-1])   # rank r sends my elements of
-        mine     = sum(convert(view(wait(received), [N, n_me]), f32), 0) / N  # its bucket; summed in fp32
+        mine     = (f32(row_0) + ... + f32(row_N-1)) / N                      # its bucket; summed in fp32
 
     Each rank gets every rank's bf16/fp16 gradients of the elements it owns and sums them in fp32, in
     rank order: the fp32 sum of an fp32 all-reduce of the cast gradients (bitwise at 2 ranks), for
-    2 bytes per element sent instead of 4, and no fp32 buffer of the whole bucket: at the reduction
-    a rank holds the half-precision bucket and what it receives (2 + 2 bytes per element, instead of
-    2 + 4 for the cast bucket). Inductor unrolls the sum over N <= 8 ranks into the update's kernel."""
+    2 bytes per element sent instead of 4, and no fp32 buffer of the whole bucket.
+
+    A rank whose elements are at an end of the bucket (the first and the last rank: every rank at
+    N = 2) does not send them to itself: it sends the rest of the bucket (a view) and receives only
+    the other ranks' rows, reading its own row from its bucket. At the reduction it holds the bucket
+    and (N-1)/N of it received (2 + 2(N-1)/N bytes per element, 3 at N = 2; 4 when it sends itself
+    its row, and 6 for the cast bucket of an fp32 reduction). Inductor fuses the sum into the
+    update's kernel."""
 
     @staticmethod
     def start(emit: _Emitter, sharded, flat: torch.fx.Node, sent: list[int]) -> torch.fx.Node:
         world, rank = sharded.pg.world, sharded.rank
-        return emit(functional.all_to_all_single.default, flat, [sent[rank]] * world, sent, sharded.pg.name)
+        mine, total = sent[rank], sum(sent)
+        if world == 1 or not mine or rank not in (0, world - 1):
+            return emit(functional.all_to_all_single.default, flat, [mine] * world, sent, sharded.pg.name)
+        rest = emit.piece(flat, mine, total) if rank == 0 else emit.piece(flat, 0, total - mine)
+        started = emit(functional.all_to_all_single.default, rest,
+                       [0 if r == rank else mine for r in range(world)],
+                       [0 if r == rank else n for r, n in enumerate(sent)], sharded.pg.name)
+        started.meta[_KEPT_ROW] = emit.piece(flat, 0, mine) if rank == 0 else emit.piece(flat, total - mine, total)
+        return started
 
     @staticmethod
     def started(node: torch.fx.Node) -> bool:
@@ -705,10 +718,21 @@ class _AllToAllReduce:
 
     @staticmethod
     def finish(emit: _Emitter, sharded, started: torch.fx.Node, mine: int) -> torch.fx.Node:
-        world = sharded.pg.world
-        rows = emit(aten.view.default, emit(functional.wait_tensor.default, started), [world, mine])
-        total = emit(aten.sum.dim_IntList, emit(convert_element_type, rows, sharded.master_dtype), [0])
+        world, rank = sharded.pg.world, sharded.rank
+        kept = started.meta.get(_KEPT_ROW)
+        received = emit(functional.wait_tensor.default, started)
+        others = world - 1 if kept is not None else world
+        rows = [emit.piece(received, i * mine, (i + 1) * mine) for i in range(others)]
+        if kept is not None:
+            rows.insert(rank, kept)
+        total = None
+        for row in rows:                                       # in rank order
+            row = emit(convert_element_type, row, sharded.master_dtype)
+            total = row if total is None else emit(aten.add.Tensor, total, row)
         return emit(aten.div.Tensor, total, world)
+
+
+_KEPT_ROW = "optpass_all_to_all_kept_row"   # started.meta: this rank's own row, not sent to itself
 
 
 def _in_gather_dtype(emit: _Emitter, sharded, bucket, value: torch.fx.Node) -> torch.fx.Node:
