@@ -316,7 +316,18 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     alive, buffers = workers.reduce_buffers_alive_at_once(code)
     return {"alive_at_once": alive, "reduce_buffers": buffers,
             "buckets": len(optpass.zero1.sharded_state(opt).layout.buckets),
-            "receive_buffers_after_the_chunk": _receive_buffers_after_the_chunk(code)}
+            "receive_buffers_after_the_chunk": _receive_buffers_after_the_chunk(code),
+            "all_to_alls": _all_to_alls(code)}
+
+
+def _all_to_alls(code: str) -> list[tuple[bool, int, int]]:
+    """For each all_to_all_single in Inductor's generated ``call``: (whether it sends a view of a buffer,
+    no copy of its own; elements sent; elements received)."""
+    found = []
+    for m in re.finditer(r"_c10d_functional\.all_to_all_single\.default\((reinterpret_tensor\()?buf\d+"
+                         r"[^\[]*\[([\d, ]+)\], \[([\d, ]+)\]", code):
+        found.append((m[1] is not None, sum(map(int, m[3].split(","))), sum(map(int, m[2].split(",")))))
+    return found
 
 
 def _receive_buffers_after_the_chunk(code: str) -> list[bool]:
