@@ -82,8 +82,9 @@ The reduce is an all-to-all of the half-precision gradients, summed in fp32 by
 the rank that owns them (``_AllToAllReduce``), in either plan; the gather stays:
 
     flat  = cat([bf16 gradient piece ...])                                 # rank-major, as it is
-    mine  = <wait>(all_to_all_single(flat))                                # every rank's copy of my chunk
-    chunk = sum(convert_element_type(view(mine, [N, owned]), f32), 0) / N  # the fp32 average
+    mine  = <wait>(all_to_all_single(flat))             # every other rank's copy of my chunk (the
+                                                        # first and last rank read theirs from flat)
+    chunk = (f32(row_0) + ... + f32(row_N-1)) / N       # the fp32 average, rows in rank order
     new   = <torch.optim update of (m, chunk, state, lr)>;  copy_(m, new)
     full  = <wait>(<gather>(convert_element_type(new, bf16)))
     copy_(p, view(slice_scatter(...(flat(p), full[piece of p])...), p.shape))
