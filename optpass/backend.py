@@ -13,7 +13,7 @@ from optpass import lowering
 from optpass.capture import (GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError
-from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ShardedStep,
+from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
                                   refuse_update_during_accumulation)
 from optpass.passes.legality import (check_grad_scaler, check_master_weights, check_optimizer_in_backward,
                                      check_zero1, ends_at_optimizer_step)
@@ -68,6 +68,8 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
             compile_fn = functools.partial(_lower, captured=captured, options=options)
             plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
             return MasterWeightsStep(gm, captured, options, plain, compile_fn)
+        if _scaled_micro_step(captured, options):
+            return ScaledMicroStep(gm, captured, options, functools.partial(_lower, captured=captured, options=options))
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     # Optimizer in backward: prove it legal on this graph, then run the step through the
     # callable that fuses torch.optim's own update into backward. A grad_scaler's step fuses the
@@ -80,9 +82,18 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         refuse_update_during_accumulation(captured, options)
         if captured.kind is GraphKind.STEP:
             compile_fn = functools.partial(_lower, captured=captured, options=options)
+            if _scaled_micro_step(captured, options):
+                return ScaledMicroStep(gm, captured, options, compile_fn)
             plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
             return OptimizerInBackwardStep(gm, captured, options, plain, compile_fn)
     return _lower(gm, example_inputs, {}, captured=captured, options=options)
+
+
+def _scaled_micro_step(captured, options) -> bool:
+    """A micro-step of gradient accumulation under grad_scaler: backward in the graph, no opt.step(),
+    the update after backward (the step that follows unscales, checks and applies the sum)."""
+    return (options.grad_scaler is not None and not options.optimizer_in_backward
+            and captured.kind is GraphKind.STEP and not ends_at_optimizer_step(captured))
 
 
 def _lower(gm, example_inputs, context, *, captured, options):

@@ -281,6 +281,11 @@ def _is_grad_source(name: str | None) -> bool:
     return name is not None and name.endswith(".grad")
 
 
+def is_existing_gradient(node: torch.fx.Node) -> bool:
+    """An input of the graph that is a parameter's existing ``.grad`` (the step accumulates into it)."""
+    return node.op == "placeholder" and _is_grad_source(_source_name(node))
+
+
 def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
     params = []
     for index, node in enumerate(placeholders):

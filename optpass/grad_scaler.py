@@ -16,6 +16,12 @@ writes: whether the last step was skipped (fp32 0-d, 1.0 or 0.0) and how many
 steps were skipped (int64 0-d). ``skipped_steps(scaler)`` reads the count
 (``optpass.skipped_steps``); GradScaler users also see a skip as the scale
 dropping (``scaler.get_scale()``).
+
+Gradient accumulation: a micro-step (backward, no ``opt.step()``) compiled with the
+same options runs backward of ``loss * scale`` into ``.grad``, as
+``scaler.scale(loss).backward()`` does (``fused_update.ScaledMicroStep``). optpass
+counts those micro-steps per scaler; a step whose graph adds to existing ``.grad``
+tensors is refused when no scaled micro-step made them (``check_accumulated``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class _Skips:
 
 
 _SKIPS: WeakKeyDictionary = WeakKeyDictionary()
+_MICRO_STEPS: WeakKeyDictionary = WeakKeyDictionary()   # scaler -> scaled micro-steps since its last step
 
 
 def graph_inputs(scaler: torch.amp.GradScaler, device: torch.device) -> list[torch.Tensor]:
@@ -67,3 +74,21 @@ def skipped_steps(scaler: torch.amp.GradScaler) -> int:
     in this process. Reading it waits for the step (``.item()``)."""
     skips = _SKIPS.get(scaler)
     return 0 if skips is None else int(skips.count.item())
+
+
+def note_micro_step(scaler: torch.amp.GradScaler) -> None:
+    """A scaled micro-step put ``loss * scale``'s gradients into ``.grad``."""
+    _MICRO_STEPS[scaler] = _MICRO_STEPS.get(scaler, 0) + 1
+
+
+def check_accumulated(scaler: torch.amp.GradScaler, accumulating: set[str]) -> None:
+    """Before a step that unscales and checks ``.grad + this step's gradients``: the ``.grad`` it adds
+    to must come from scaled micro-steps (the same scale), or unscaling would divide them by it."""
+    pending = _MICRO_STEPS.pop(scaler, 0)
+    if accumulating and not pending:
+        names = ", ".join(sorted(accumulating)[:3])
+        raise OptpassError(
+            f"grad_scaler: this step adds to existing .grad tensors ({names}) that no micro-step compiled "
+            "with options={..., 'grad_scaler': scaler} made: they are not scaled, and the step would "
+            "unscale them. Compile the micro-steps (backward without opt.step()) with the same options "
+            "as the step, or call opt.zero_grad() before the step.")

@@ -246,8 +246,10 @@ def _check_grad_scaler(options: Options) -> None:
                            "options={'optimizer': opt, 'grad_scaler': scaler}")
     if options.accumulation_steps > 1:
         raise OptpassError(
-            "grad_scaler with accumulation_steps > 1 is not supported yet: the micro-steps' gradients "
-            "would be scaled by one scale and unscaled at the last. Drop accumulation_steps or grad_scaler.")
+            "grad_scaler with accumulation_steps > 1 is not supported yet: inside backward each update would "
+            "check one micro-step's gradients, not their sum. Accumulate with the update after backward: drop "
+            "optimizer_in_backward and accumulation_steps, and compile the micro-steps (backward without "
+            "opt.step()) and the step with the same options.")
     selected = options.passes if options.passes is not None else ("loss_scaling",)
     if "loss_scaling" not in selected or "loss_scaling" in options.disable_passes:
         raise OptpassError(

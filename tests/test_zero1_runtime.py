@@ -77,6 +77,35 @@ def test_a_gradient_transform_before_the_update_is_refused_with_its_line():
         step(*workers.local(workers.global_batch(0, 1), 0, 1))
 
 
+def test_a_micro_step_without_opt_step_is_refused_with_its_line():
+    """Without optimizer_in_backward zero1 applies the update in the step that calls opt.step(); a
+    micro-step of gradient accumulation (until 2026-11-24 it updated the parameters anyway and
+    dropped the gradients) is refused before it runs."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = workers.make_model()
+        opt = workers.make_optimizer("AdamW", workers.param_groups(model))
+        before = [p.detach().clone() for p in model.parameters()]
+
+        def micro_step(x, y):
+            loss = workers.loss_fn(model, x, y)
+            loss.backward()
+            return loss.detach()
+
+        step = torch.compile(micro_step, backend="optpass",
+                             options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+        with pytest.raises(Exception, match=r"OptpassError: data_parallel='zero1': this compiled step runs "
+                                            r"backward\(\) \(.*test_zero1_runtime.py:\d+ in micro_step: "
+                                            r"loss.backward\(\)\) but does not call opt.step\(\)"):
+            step(*workers.local(workers.global_batch(0, 1), 0, 1))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("options, match", [
     ({"data_parallel": "zero1"}, "needs the optimizer"),
     ({"data_parallel": "zero2"}, "must be one of"),

@@ -26,8 +26,9 @@ Refuses, with the user's source line, why, and what to do instead:
 
 ``check_grad_scaler`` (options grad_scaler) proves, on the same labels, that the
 step hands ``opt.step()`` its raw gradients (code between backward and the update
-would see scaled ones) and refuses fp16 parameters without master_weights, micro-steps
-without ``opt.step()`` and a GradScaler called in the step (naming the option instead).
+would see scaled ones) and refuses fp16 parameters without master_weights, gradient
+accumulation with optimizer_in_backward and a GradScaler called in the step (naming the
+option instead); a micro-step without ``opt.step()`` scales its backward.
 
     step graph                                   labels
       g0, g1 = autograd.grad(loss, [w0, w1])     g0:{w0}  g1:{w1}
@@ -42,7 +43,7 @@ import operator
 import torch
 import torch.fx
 
-from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind,
+from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, is_existing_gradient,
                              backward_outside_message)
 from optpass.errors import OptpassError, node_user_line
 
@@ -120,17 +121,16 @@ def check_grad_scaler(captured: CapturedGraph, options) -> None:
     if captured.kind is not GraphKind.STEP:
         return
     _refuse_unseen_gradient_transforms(captured, "grad_scaler")
-    if not options.optimizer_in_backward and not ends_at_optimizer_step(captured):
-        where = f" ({captured.backward_line})" if captured.backward_line else ""
+    # Without optimizer_in_backward a step without opt.step() is a micro-step of gradient
+    # accumulation: it scales its backward and leaves the scaled gradients in .grad
+    # (fused_update.ScaledMicroStep); the next whole step unscales and checks their sum.
+    if options.optimizer_in_backward and captured.accumulating:
         raise OptpassError(
-            f"grad_scaler: this compiled step runs backward(){where} but does not call opt.step(), so its "
-            "gradients would stay in .grad, scaled. Gradient accumulation with grad_scaler is not supported "
-            f"yet: write the whole step, `{SUPPORTED_SHAPE}`.")
-    if captured.accumulating:
-        raise OptpassError(
-            "grad_scaler: this step accumulates into existing .grad tensors "
-            f"({', '.join(sorted(captured.accumulating)[:3])}), which would be unscaled with this step's "
-            "scale. Call opt.zero_grad() in every step (accumulation with grad_scaler is not supported yet).")
+            "grad_scaler with optimizer_in_backward: this step accumulates into existing .grad tensors "
+            f"({', '.join(sorted(captured.accumulating)[:3])}), which the update inside backward would "
+            "unscale and check one micro-step at a time. Gradient accumulation with grad_scaler needs the "
+            "update after backward: drop optimizer_in_backward, compile the micro-steps (backward without "
+            "opt.step()) and the step with the same options.")
     transform = _first_gradient_transform(captured)
     if transform is not None:
         where = node_user_line(transform)
@@ -312,6 +312,13 @@ def check_zero1(captured: CapturedGraph, options) -> None:
         return
     _refuse_unseen_gradient_transforms(captured)
     _refuse_parallel_collectives(captured.gm.graph)
+    if not options.optimizer_in_backward and not ends_at_optimizer_step(captured):
+        where = f" ({captured.backward_line})" if captured.backward_line else ""
+        raise OptpassError(
+            f"data_parallel='zero1': this compiled step runs backward(){where} but does not call "
+            "opt.step(); zero1 would average and apply its gradients anyway, and leave none in .grad. "
+            "Gradient accumulation (micro-steps without opt.step()) with zero1 is not supported yet: "
+            f"write the whole step, `{SUPPORTED_SHAPE}`.")
     if captured.accumulating:
         raise OptpassError(
             "data_parallel='zero1': this step accumulates into existing .grad tensors "
@@ -333,11 +340,17 @@ def check_zero1(captured: CapturedGraph, options) -> None:
 
 
 def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
-    """getitem of autograd.grad's result and Dynamo's empty_like(p).copy_(g) into p.grad."""
+    """getitem of autograd.grad's result, Dynamo's empty_like(p).copy_(g) into p.grad, and, for
+    gradient accumulation, an existing p.grad (an input) and Dynamo's p.grad.add_(that copy)."""
+    if node.op == "placeholder":
+        return is_existing_gradient(node)
     if node.target is operator.getitem:
         return getattr(node.args[0], "target", None) is torch.autograd.grad
     if node.target is torch.empty_like:
         return True
     if node.target in ("copy_", torch.Tensor.copy_) and isinstance(node.args[0], torch.fx.Node):
         return node.args[0].target is torch.empty_like and node.args[1].target is operator.getitem
+    if node.target in ("add_", torch.Tensor.add_) and isinstance(node.args[0], torch.fx.Node):
+        return (is_existing_gradient(node.args[0]) and len(node.args) == 2 and not node.kwargs
+                and getattr(node.args[1], "target", None) in (torch.empty_like, operator.getitem))
     return False

@@ -45,9 +45,15 @@ every rank skips (Megatron all-reduces found_inf over the data-parallel group).
 The shard update's new value is guarded too (``shard_optimizer._emit_update``): a
 skipped step gathers the shards as they were.
 
-Refuses (``options.py``, ``legality.py``): accumulation, fp16 parameters without
-master_weights (GradScaler refuses to unscale fp16 gradients), a gradient transform
-or a GradScaler call in the step.
+Gradient accumulation: a micro-step (no ``opt.step()``) compiled with the same options
+differentiates ``loss * scale`` too (``fused_update.ScaledMicroStep``, ``scale_loss``
+only, this pass has no plan there); the step that follows unscales and checks
+``.grad + its gradients``, the gradient outputs of its graph.
+
+Refuses (``options.py``, ``legality.py``, ``grad_scaler.check_accumulated``):
+accumulation with optimizer_in_backward, a step adding to ``.grad`` that no scaled
+micro-step made, fp16 parameters without master_weights (GradScaler refuses to unscale
+fp16 gradients), a gradient transform or a GradScaler call in the step.
 
     before:                                   after (after backward, SGD on fp16 + masters):
       loss = mse_loss(...); l = mul(loss, s)    (the same)
