@@ -277,3 +277,101 @@ mse_loss_backward_0 = aten.mse_loss_backward(_to_copy_0, mm_0, in2, 1)""")
 +where_1 = aten.where.self(any_0, in0, convert_element_type_5)
 +copy__5 = aten.copy_(in0, where_1)
 +return (detach_0, None)""")
+
+    def test_fp16_accumulation_micro_step_scales_backward_and_the_step_unscales_the_sum(self):
+        """grad_scaler + master_weights with a micro-step (backward, no opt.step()): the micro-step's
+        graph seeds backward with loss * scale (in4, an input) and adds the scaled gradient into the
+        existing .grad (in3); the step's graph unscales .grad + its own gradient (add_0) with the scale
+        in5, checks the sum for inf/nan and guards the update with it."""
+        model = nn.Linear(3, 2, bias=False).to(torch.float16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        options = {"lower": "eager", "optimizer": opt, "master_weights": torch.float32,
+                   "grad_scaler": torch.amp.GradScaler("cpu")}
+
+        def micro_step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss.detach()
+
+        def train_step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+
+        micro = torch.compile(micro_step, backend="optpass", options=options)
+        step = torch.compile(train_step, backend="optpass", options=options)
+        batch = (torch.randn(4, 3, dtype=torch.float16), torch.randn(4, 2, dtype=torch.float16))
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            micro(*batch)              # .grad is None: a new gradient
+            micro(*batch)              # accumulates into .grad
+            step(*batch)               # adds its gradient to .grad, unscales, checks, updates
+        reports = [r for r in optpass.recent_reports() if r.graph_before is not None and r.kind.value == "step"]
+        accumulating_micro = optpass.graph_text(reports[1].graph_before, shapes=False)
+        self.assertExpectedInline(accumulating_micro, """\
+in0 = placeholder
+in1 = placeholder
+in2 = placeholder
+in3 = placeholder
+in4 = placeholder
+t_0 = aten.t(in0)
+mm_0 = aten.mm(in1, t_0)
+mse_loss_0 = aten.mse_loss(mm_0, in2)
+mul_0 = aten.mul.Tensor(mse_loss_0, in4)
+ones_like_0 = aten.ones_like(mul_0, pin_memory=False, memory_format=torch.preserve_format)
+mul_1 = aten.mul.Tensor(ones_like_0, in4)
+_to_copy_0 = aten._to_copy(mul_1, dtype=torch.float16)
+mse_loss_backward_0 = aten.mse_loss_backward(_to_copy_0, mm_0, in2, 1)
+t_1 = aten.t(mse_loss_backward_0)
+mm_1 = aten.mm(t_1, in1)
+t_2 = aten.t(mm_1)
+t_3 = aten.t(t_2)
+empty_like_0 = aten.empty_like(in0, pin_memory=False)
+copy_0 = aten.copy(empty_like_0, t_3)
+add_0 = aten.add.Tensor(in3, copy_0)
+detach_0 = aten.detach(mse_loss_0)
+copy__0 = aten.copy_(in3, add_0)
+return (detach_0, copy__0)""")
+        diff = optpass.graph_diff(reports[2].graph_before, reports[2].graph_after, shapes=False, context=1)
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -10,2 +10,5 @@
+ in9 = placeholder
++convert_element_type_0 = prims.convert_element_type(in5, torch.float64)
++reciprocal_0 = aten.reciprocal(convert_element_type_0)
++convert_element_type_1 = prims.convert_element_type(reciprocal_0, torch.float32)
+ t_0 = aten.t(in0)
+@@ -25,4 +28,27 @@
+ add_0 = aten.add.Tensor(in3, copy_0)
++abs_0 = aten.abs(add_0)
++lt_0 = aten.lt.Scalar(abs_0, float('inf'))
++logical_not_0 = aten.logical_not(lt_0)
++any_0 = aten.any(logical_not_0)
++convert_element_type_2 = prims.convert_element_type(add_0, torch.float32)
++mul_2 = aten.mul.Tensor(convert_element_type_2, convert_element_type_1)
+ detach_0 = aten.detach(mse_loss_0)
+-copy__0 = aten.copy_(in3, add_0)
+-return (detach_0, copy__0)
++convert_element_type_3 = prims.convert_element_type(any_0, torch.float32)
++_amp_update_scale_0 = aten._amp_update_scale(in5, in6, convert_element_type_3, 2.0, 0.5, 2000)
++getitem_0 = getitem(_amp_update_scale_0, 0)
++copy__0 = aten.copy_(in5, getitem_0)
++getitem_1 = getitem(_amp_update_scale_0, 1)
++copy__1 = aten.copy_(in6, getitem_1)
++copy__2 = aten.copy_(in7, convert_element_type_3)
++convert_element_type_4 = prims.convert_element_type(any_0, torch.int64)
++add_1 = aten.add.Tensor(in8, convert_element_type_4)
++copy__3 = aten.copy_(in8, add_1)
++neg_0 = aten.neg(in4)
++fma_0 = prims.fma(mul_2, neg_0, in9)
++copy_1 = aten.copy(in9, fma_0)
++where_0 = aten.where.self(any_0, in9, copy_1)
++copy__4 = aten.copy_(in9, where_0)
++convert_element_type_5 = prims.convert_element_type(copy_1, torch.float16)
++where_1 = aten.where.self(any_0, in0, convert_element_type_5)
++copy__5 = aten.copy_(in0, where_1)
++return (detach_0, None)""")
