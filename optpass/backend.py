@@ -144,7 +144,10 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.grad_scaler is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_grad_scaler(captured, options)
-            verdict = "grad_scaler is legal: the step hands opt.step() its raw gradients"
+            verdict = ("grad_scaler: a micro-step (no opt.step()): backward of loss * scale, the scaled gradients "
+                       "add up in .grad; the step after it unscales and checks their sum"
+                       if _scaled_micro_step(captured, options)
+                       else "grad_scaler is legal: the step hands opt.step() its raw gradients")
         except OptpassError as error:
             verdict, scaler_legal = f"grad_scaler refused: {error}", False
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict

@@ -252,6 +252,10 @@ def test_explain_shows_the_scaling_and_trains_nothing():
     assert "4 gradients unscaled into fp32; the update is skipped on inf/nan (checked in a first backward)" in text
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert scaler_state(scaler) == (SCALER["init_scale"], 0) and optpass.skipped_steps(scaler) == 0
+    micro = str(optpass.explain(micro_step_of(model, mlp_loss), *data(0), options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler}))
+    assert "grad_scaler: a micro-step (no opt.step()): backward of loss * scale" in micro
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 # ------------------------------------------------------------------ clip_grad_norm with master weights
