@@ -167,7 +167,26 @@ def explaining_backend(gm, example_inputs, options=None):
         runtime = fused_class(gm, captured, options, None, compile_fn)
         fused, _ = runtime._compile_fused(list(example_inputs))
         return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
-    return _lower_dry(gm, example_inputs, {}, captured=captured, options=options, report=report)
+    return _leaving_gradients_alone(gm, captured, _lower_dry(gm, example_inputs, {}, captured=captured,
+                                                             options=options, report=report))
+
+
+def _leaving_gradients_alone(gm, captured, run):
+    """explain trains nothing: a step that keeps its gradients (a micro-step) leaves .grad as it was,
+    not zeros (a new gradient stays None, an accumulating step hands back the .grad it was given)."""
+    if not captured.gradient_outputs or ends_at_optimizer_step(captured):
+        return run                # opt.step() follows: its trace reads the (zero) gradients
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    returned = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    given = {i: placeholders.index(returned[i]) if returned[i] in placeholders else None
+             for i in captured.gradient_outputs.values()}
+
+    def run_leaving_gradients(*args):
+        outputs = list(run(*args))
+        for i, arg in given.items():
+            outputs[i] = None if arg is None else args[arg]
+        return tuple(outputs)
+    return run_leaving_gradients
 
 
 def _lower_dry(gm, example_inputs, context, *, captured, options, report):

@@ -278,6 +278,25 @@ def test_explain_reports_without_training():
     assert d["warnings"] == []
 
 
+def test_explain_of_a_micro_step_leaves_the_gradients_as_they_were():
+    """A micro-step (backward, no opt.step()) keeps its gradients: explain hands back .grad as it was
+    (until 2026-11-24 it set zeros, which the next step then accumulated into)."""
+    model, opt = mlp_and_opt()
+
+    def micro_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    optpass.explain(micro_step, *data(), options={"lower": "eager"})
+    assert all(p.grad is None for p in model.parameters())
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    optpass.explain(micro_step, *data(), options={"lower": "eager"})
+    assert all(p.grad is g and bool((g == 0.5).all()) for p, g in zip(model.parameters(), grads))
+
+
 def test_explain_shows_why_the_tutorial_shape_splits():
     model, opt = mlp_and_opt()
     report = optpass.explain(make_step(model, opt, tail_returns_loss=True), *data())
