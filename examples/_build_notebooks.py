@@ -914,6 +914,7 @@ This notebook shows the stall, its fix, the graph diff, and what a checkpoint ho
 """),
     code("""
 %matplotlib inline
+import copy
 import logging
 
 import matplotlib.pyplot as plt
@@ -1081,6 +1082,53 @@ for i in range(12):
 print(scaler.state_dict())
 """),
     md("""
+**Gradient accumulation** with a scaler: compile the micro-step (backward, no
+`opt.step()`) with the same options as the step. Each micro-step runs backward of
+`loss * scale`, as `scaler.scale(loss).backward()` does, so `.grad` sums scaled gradients;
+the step that follows unscales, checks and applies the sum. Below, 3 calls per update
+against torch.amp driving the Megatron-way reference (fp32 masters by hand) with the same
+micro-steps: the same scale, and parameters equal bit for bit.
+"""),
+    code("""
+def make_micro_step(model):
+    def micro_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()                                   # no opt.step(): gradients add up in .grad
+        return loss.detach()
+    return micro_step
+
+torch.manual_seed(0)
+acc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(torch.float16)
+ref = copy.deepcopy(acc)
+acc_opt = torch.optim.SGD(acc.parameters(), lr=0.05, momentum=0.9)
+acc_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=3)
+options = {"optimizer": acc_opt, "master_weights": torch.float32, "grad_scaler": acc_scaler, "lower": "eager"}
+micro = torch.compile(make_micro_step(acc), backend="optpass", options=options)
+step = torch.compile(make_train_step(acc, acc_opt), backend="optpass", options=options)
+
+# the reference: fp32 masters by hand, torch.amp's GradScaler, the same micro-steps
+ref_masters = [p.detach().float() for p in ref.parameters()]
+ref_opt = torch.optim.SGD(ref_masters, lr=0.05, momentum=0.9)
+ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=3)
+
+for i in range(12):
+    xb, yb = x[8 * (i % 8): 8 * (i % 8) + 8].to(torch.float16), y[8 * (i % 8): 8 * (i % 8) + 8].to(torch.float16)
+    ref_scaler.scale(F.mse_loss(ref(xb), yb)).backward()
+    if (i + 1) % 3:
+        micro(xb, yb)
+        continue
+    step(xb, yb)
+    for p, m in zip(ref.parameters(), ref_masters):
+        m.grad = p.grad.float(); p.grad = None
+    ref_scaler.unscale_(ref_opt); ref_scaler.step(ref_opt); ref_scaler.update(); ref_opt.zero_grad()
+    with torch.no_grad():
+        for p, m in zip(ref.parameters(), ref_masters):
+            p.copy_(m)
+    same = all(torch.equal(p, q) for p, q in zip(acc.parameters(), ref.parameters()))
+    print(f"update after call {i:2d}: scale {acc_scaler.get_scale():6.0f} (torch.amp: "
+          f"{ref_scaler.get_scale():6.0f}), parameters equal: {same}")
+"""),
+    md("""
 ## Summary
 
 * `options={"optimizer": opt, "master_weights": torch.float32}`: an fp32 master per
@@ -1091,9 +1139,11 @@ print(scaler.state_dict())
 * With `data_parallel="zero1"` each rank keeps only its shard of the fp32 masters and
   of the state (README, "With ZeRO-1: masters sharded").
 * `grad_scaler`: fp16 dynamic loss scaling with torch.amp.GradScaler's semantics inside
-  the step; `clip_grad_norm` clips the fp32 (unscaled) gradients.
-* Not yet (issue 13): `grad_scaler` or `clip_grad_norm` with `data_parallel="zero1"`;
-  optpass refuses them with an error that says so.
+  the step, gradient accumulation included (micro-steps compiled with the same options);
+  `clip_grad_norm` clips the fp32 (unscaled) gradients. Both work with
+  `data_parallel="zero1"` too (README).
+* Not yet: gradient accumulation with `optimizer_in_backward` and a scaler, or with
+  `data_parallel="zero1"`; optpass refuses them with an error that says so.
 """),
 ]
 
