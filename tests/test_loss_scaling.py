@@ -383,6 +383,47 @@ def test_gradient_accumulation_matches_gradscaler(name, lower):
         assert param_ulps(model, reference) <= 1 and master_diff(opt, reference) <= 1e-4
 
 
+def test_gradient_accumulation_with_batch_sizes_that_change():
+    """Micro-steps and steps on batches of 8, 5, 7 and 3 examples: after the first, Dynamo compiles
+    the micro-step with the batch size symbolic (once with .grad None, once accumulating into it), and
+    the scaled micro-step compiles from those symbolic inputs: 3 compiles for 8 micro-steps of 4
+    sizes; bitwise against the GradScaler-driven reference, the scale equal after every call."""
+    from unittest import mock
+
+    from optpass.fused_update import ScaledMicroStep
+
+    torch.manual_seed(0)
+    start = MLP(SIZES).to(torch.float16)
+    reference = ScaledMegatronReference(copy.deepcopy(start), OPTIMIZERS["sgd"], update="compiled")
+    model = copy.deepcopy(start)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    options = {"lower": "eager", "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler}
+    micro = torch.compile(micro_step_of(model, mlp_loss), backend="optpass", options=options)
+    step = compiled(model, opt, scaler)
+    compiles, compile_micro_step = [], ScaledMicroStep._compile
+
+    def counted(self, args, scale):
+        compiles.append(len(args))
+        return compile_micro_step(self, args, scale)
+
+    g = torch.Generator().manual_seed(1)
+    with mock.patch.object(ScaledMicroStep, "_compile", counted):
+        for i in range(4 * ACCUMULATED):
+            batch = (8, 5, 7, 3)[i % 4]
+            x = torch.randn(batch, SIZES[0], generator=g).half()
+            y = torch.randn(batch, SIZES[-1], generator=g).half()
+            if (i + 1) % ACCUMULATED:
+                loss = mlp_loss(reference.model, x, y)
+                reference.scaler.scale(loss).backward()
+                assert same(micro(x, y).item(), loss.item()), i
+            else:
+                assert same(step(x, y).item(), reference.step(x, y).item()), i
+            assert scaler_state(scaler) == scaler_state(reference.scaler), i
+    assert len(compiles) == 3, compiles
+    assert param_ulps(model, reference) == 0 and master_diff(opt, reference) == 0
+
+
 def test_gradient_accumulation_with_fp32_parameters_under_fp16_autocast():
     """Classic AMP (fp32 parameters, fp16 autocast, no masters) with micro-steps: bitwise against eager
     GradScaler (scaler.scale(loss).backward() per micro-step; scaler.step(opt); scaler.update())."""
