@@ -24,6 +24,15 @@ def make_step(model, opt, loss_fn, clip=None):
     return train_step
 
 
+def make_micro_step(model, loss_fn):
+    """A micro-step of gradient accumulation: backward, no opt.step() (gradients add up in .grad)."""
+    def micro_step(x, y):
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        return loss.detach()
+    return micro_step
+
+
 def mlp_loss(model, x, y):
     return F.mse_loss(model(x), y)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import optpass
 from optpass.models import MLP
-from parity import make_step, mlp_data, mlp_loss
+from parity import make_micro_step, make_step, mlp_data, mlp_loss
 from test_master_weights import OPTIMIZERS, SIZES, MegatronReference, master_diff, param_ulps
 
 STEPS = 20
@@ -252,7 +252,7 @@ def test_explain_shows_the_scaling_and_trains_nothing():
     assert "4 gradients unscaled into fp32; the update is skipped on inf/nan (checked in a first backward)" in text
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert scaler_state(scaler) == (SCALER["init_scale"], 0) and optpass.skipped_steps(scaler) == 0
-    micro = str(optpass.explain(micro_step_of(model, mlp_loss), *data(0), options={
+    micro = str(optpass.explain(make_micro_step(model, mlp_loss), *data(0), options={
         "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler}))
     assert "grad_scaler: a micro-step (no opt.step()): backward of loss * scale" in micro
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
@@ -329,15 +329,6 @@ def test_clip_grad_norm_in_the_step_with_master_weights_matches_eager():
 ACCUMULATED = 3           # micro-steps per step: calls 3k and 3k+1 are micro-steps, 3k+2 the step
 
 
-def micro_step_of(model, loss_fn):
-    """The micro-step of gradient accumulation: backward, no opt.step()."""
-    def micro_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        return loss.detach()
-    return micro_step
-
-
 @pytest.mark.parametrize("name, lower", [("adamw", "eager"), ("sgd", "eager"), ("sgd", "inductor")])
 def test_gradient_accumulation_matches_gradscaler(name, lower):
     """Micro-steps (backward, no opt.step()) compiled with the step's options, every third call the
@@ -355,7 +346,7 @@ def test_gradient_accumulation_matches_gradscaler(name, lower):
     model = copy.deepcopy(start)
     opt = OPTIMIZERS[name](model.parameters())
     scaler = torch.amp.GradScaler("cpu", **SCALER)
-    micro = torch.compile(micro_step_of(model, mlp_loss), backend="optpass", options={
+    micro = torch.compile(make_micro_step(model, mlp_loss), backend="optpass", options={
         "lower": lower, "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler})
     step = compiled(model, opt, scaler, lower)
     eager = lower == "eager"
@@ -399,7 +390,7 @@ def test_gradient_accumulation_with_batch_sizes_that_change():
     opt = OPTIMIZERS["sgd"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     options = {"lower": "eager", "optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler}
-    micro = torch.compile(micro_step_of(model, mlp_loss), backend="optpass", options=options)
+    micro = torch.compile(make_micro_step(model, mlp_loss), backend="optpass", options=options)
     step = compiled(model, opt, scaler)
     compiles, compile_micro_step = [], ScaledMicroStep._compile
 
@@ -437,7 +428,7 @@ def test_gradient_accumulation_with_fp32_parameters_under_fp16_autocast():
     opt = OPTIMIZERS["adamw"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     options = {"lower": "eager", "optimizer": opt, "grad_scaler": scaler}
-    micro = torch.compile(micro_step_of(model, amp_loss), backend="optpass", options=options)
+    micro = torch.compile(make_micro_step(model, amp_loss), backend="optpass", options=options)
     step = torch.compile(make_step(model, opt, amp_loss), backend="optpass", options=options)
     for i in range(6 * ACCUMULATED):
         x, y = data(i, torch.float32)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import optpass
+from parity import make_micro_step, make_step
 
 
 def fused_graph_diff(model, opt, loss_fn, *inputs, **options):
@@ -288,21 +289,9 @@ mse_loss_backward_0 = aten.mse_loss_backward(_to_copy_0, mm_0, in2, 1)""")
         options = {"lower": "eager", "optimizer": opt, "master_weights": torch.float32,
                    "grad_scaler": torch.amp.GradScaler("cpu")}
 
-        def micro_step(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            return loss.detach()
-
-        def train_step(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
-
-        micro = torch.compile(micro_step, backend="optpass", options=options)
-        step = torch.compile(train_step, backend="optpass", options=options)
+        loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+        micro = torch.compile(make_micro_step(model, loss_fn), backend="optpass", options=options)
+        step = torch.compile(make_step(model, opt, loss_fn), backend="optpass", options=options)
         batch = (torch.randn(4, 3, dtype=torch.float16), torch.randn(4, 2, dtype=torch.float16))
         optpass.report.clear_reports()
         with optpass.keep_graphs():
