@@ -162,8 +162,40 @@ def lower_inductor(gm, example_inputs, rewrite_fn, key: str, config_patches: dic
         # randn_like over 3.1M elements, 180 ms vs 33 ms); DP-SGD's noise makes that most of a
         # step. With aten's generator the stream is also eager PyTorch's for the same seed.
         patches["fallback_random"] = True
-    with random_ops_in_checkpoint_refused():
+    with random_ops_in_checkpoint_refused(), compiled_in_this_process():
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+@contextlib.contextmanager
+def compiled_in_this_process():
+    """Inductor compiles optpass's graphs in this process, whatever ``TORCHINDUCTOR_FX_COMPILE_MODE`` says.
+
+    The pipeline is a post-grad pass that closes over live objects (the optimizer, its masters
+    and shards, the report), so it cannot travel: Inductor's out-of-process modes (``SUBPROCESS``,
+    ``async+``, ``progressive+``; torch 2.13) pickle the graph and the *portable* config, which
+    leaves ``post_grad_custom_pre_pass`` out, and compile there without it. Measured before this
+    guard: a float32 step with ``optimizer_in_backward`` compiled in the child ran torch.optim's
+    update after backward, every gradient alive, while the report said the pass was applied;
+    ``data_parallel="zero1"`` failed in the child (``Can't get attribute
+    'torch.contiguous_format'``). A graph the child cannot take (every bf16/fp16 step: Inductor's
+    pickler refuses ``prims`` ops) already fell back to this process. Other graphs of the same
+    program (Dynamo's, compiled by other backends) keep the mode the user chose."""
+    from torch._inductor import compile_fx as module
+
+    saved = {name: getattr(module, name) for name in _COMPILE_MODE_SETTINGS if hasattr(module, name)}
+    if "fx_compile_mode" in saved:
+        module.fx_compile_mode = module.FxCompileMode.NORMAL
+    for name in ("fx_compile_async", "fx_compile_progressive"):
+        if name in saved:
+            setattr(module, name, False)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+_COMPILE_MODE_SETTINGS = ("fx_compile_mode", "fx_compile_async", "fx_compile_progressive")
 
 
 def _all_on_cpu(example_inputs) -> bool:

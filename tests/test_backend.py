@@ -259,6 +259,50 @@ for attempt in range(2):
     assert second[0] >= 2 and second[1] == 0     # warm: every graph came from the cache
 
 
+def test_a_user_who_sets_inductors_subprocess_compile_mode_still_gets_the_rewrite(tmp_path):
+    """TORCHINDUCTOR_FX_COMPILE_MODE=SUBPROCESS compiles a graph in a child process with the portable
+    config, which leaves optpass's post-grad pass out: without the guard this fp32 step compiled
+    there, torch.optim's update ran after backward, and zero1 failed in the child. optpass compiles
+    its graphs in the process, so the pass runs, the numbers are eager's, and the mode is the
+    user's again afterwards."""
+    out = run_python("""
+import torch, torch.nn.functional as F
+import optpass
+import torch._inductor.compile_fx as compile_fx
+from torch._inductor.compile_fx_ext import _OutOfProcessFxCompile
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+reference.load_state_dict(model.state_dict())
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+
+def train_step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    out = loss.detach()
+    opt.step()
+    opt.zero_grad()
+    return out
+
+step = torch.compile(train_step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
+for i in range(3):
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    step(x, y)
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+applied = [p.status for r in optpass.recent_reports() for p in r.passes if p.name == "optimizer_in_backward"]
+print(compile_fx.fx_compile_mode.name, len(applied) > 0 and set(applied) == {"applied"})
+print(sorted(k.__name__ for k, v in _OutOfProcessFxCompile._compile_stats.items() if v.codegen_and_compile))
+print(all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())))
+""", env={"TORCHINDUCTOR_FX_COMPILE_MODE": "SUBPROCESS", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    mode, compiled_by, equal = out.strip().splitlines()
+    assert mode == "SUBPROCESS True"                 # the user's mode is back; the pass ran here
+    assert compiled_by == "['_InProcessFxCompile']"  # not '_SubprocessFxCompile'
+    assert equal == "True"
+
+
 def test_explain_reports_without_training():
     model, opt = mlp_and_opt()
     before = [p.detach().clone() for p in model.parameters()]
