@@ -28,6 +28,11 @@ process (its own empty ``TORCHINDUCTOR_CACHE_DIR``, ``--threads`` threads):
   2 + 4 + 8 = 14 B/param plus one gradient (goal <= 14.5 at the whole run's peak);
 * ``optpass-after`` (only with ``--variants``) -- master_weights without
   optimizer_in_backward (every bf16 gradient alive at the update: 16 B/param);
+* ``inductor`` (only with ``--variants``) -- the peer a torch.compile user has without
+  optpass: the same plain step under ``backend="inductor"``, AdamW straight on the bf16
+  parameters (no masters: the update stalls where the issue says it does; 2 + 2 + 4 =
+  8 B/param with every gradient alive). It is here for its "compile MB": what compiling
+  the same step shape costs a process without optpass's passes;
 * ``zero1`` -- the same plain step with ``data_parallel="zero1"`` as well, on
   ``--world`` gloo ranks (processes launched here, each ``--threads`` threads): each
   rank keeps 1/N of the masters and of the state: 2 + 12/N B/param plus one
@@ -87,7 +92,7 @@ import time
 
 from _measure import RESULT_PREFIX, CPUTensorBytes, emit_result, median, proc_status_kib, reset_peak_rss, run_child
 
-VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1")
+VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1", "inductor")
 DEFAULT_VARIANTS = ("by-hand", "optpass", "zero1")
 GOALS = {"optpass": 14.5, "zero1": 8.5}     # B/param at the whole run's peak (zero1: per rank, 2 ranks)
 _MB = 1e6
@@ -151,6 +156,8 @@ def run_variant(args) -> None:
         step = _compiled_step(args, kind, loss_of, opt)
 
         def state_of():
+            if kind == "inductor":
+                return opt.state.values()
             if kind == "zero1":
                 shard = optpass.zero1.sharded_state(opt).shard_optimizer
                 return shard.state.values() if shard is not None else []
@@ -189,6 +196,8 @@ def run_variant(args) -> None:
         torch.distributed.destroy_process_group()
     elif kind == "by-hand":
         master_bytes = sum(m.numel() * m.element_size() for m in masters)
+    elif kind == "inductor":
+        master_bytes = 0
     else:
         master_bytes = sum(m.numel() * m.element_size() for p, m in optpass.master_weights(opt).items()
                            if m is not p)
@@ -259,6 +268,8 @@ def _compiled_step(args, kind: str, loss_of, opt):
         opt.step()
         opt.zero_grad()
         return out
+    if kind == "inductor":
+        return torch.compile(train_step, backend="inductor")
     options = {"optimizer": opt, "master_weights": torch.float32,
                "optimizer_in_backward": kind in ("optpass", "zero1")}
     if kind == "zero1":

@@ -175,10 +175,10 @@ def compiled_in_this_process():
     ``async+``, ``progressive+``; torch 2.13) pickle the graph and the *portable* config, which
     leaves ``post_grad_custom_pre_pass`` out, and compile there without it. Measured before this
     guard: a float32 step with ``optimizer_in_backward`` compiled in the child ran torch.optim's
-    update after backward, every gradient alive, while the report said the pass was applied;
+    update after backward, every gradient alive, and no pass ran (the report listed none);
     ``data_parallel="zero1"`` failed in the child (``Can't get attribute
-    'torch.contiguous_format'``). A graph the child cannot take (every bf16/fp16 step: Inductor's
-    pickler refuses ``prims`` ops) already fell back to this process. Other graphs of the same
+    'torch.contiguous_format'``). A graph the child cannot take (the bf16 steps tried, a Llama's
+    too: Inductor's pickler refuses ``prims`` ops) already fell back to this process. Other graphs of the same
     program (Dynamo's, compiled by other backends) keep the mode the user chose."""
     from torch._inductor import compile_fx as module
 
