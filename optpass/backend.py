@@ -48,9 +48,13 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
             check_master_weights(captured, options)
         if options.optimizer_in_backward:
             check_optimizer_in_backward(captured, options)
-        if captured.kind is GraphKind.STEP:
+        if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
             compile_fn = functools.partial(_lower, captured=captured, options=options)
             return ShardedStep(gm, captured, options, gm.forward, compile_fn)
+        # a micro-step (backward, no opt.step()): this rank's gradients stay in .grad, as under DDP's
+        # no_sync(); the step that follows reduces their sum (under a grad_scaler, scaled)
+        if _scaled_micro_step(captured, options):
+            return ScaledMicroStep(gm, captured, options, functools.partial(_lower, captured=captured, options=options))
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     # fp32 master weights: the step graph applies every update on the masters, inside backward
     # (optimizer_in_backward) or after it (a step that calls opt.step()); the user's opt.step() is idle.
@@ -125,7 +129,11 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.data_parallel == "zero1" and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_zero1(captured, options)
-            verdict = "data_parallel='zero1' is legal: the step hands the update raw gradients"
+            verdict = ("data_parallel='zero1': a micro-step (no opt.step()): this rank's gradients add up in "
+                       ".grad, as under DDP's no_sync(); the step after it averages their sums across ranks"
+                       if captured.kind is GraphKind.STEP and not options.optimizer_in_backward
+                       and not ends_at_optimizer_step(captured)
+                       else "data_parallel='zero1' is legal: the step hands the update raw gradients")
         except OptpassError as error:
             verdict = f"data_parallel='zero1' refused: {error}"
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict

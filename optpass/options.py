@@ -190,8 +190,10 @@ def _check_combinations(options: Options) -> None:
             raise OptpassError("data_parallel='zero1' needs the optimizer: "
                                "options={'optimizer': opt, 'data_parallel': 'zero1'}")
         if options.accumulation_steps > 1:
-            raise OptpassError("data_parallel='zero1' does not support accumulation_steps yet; train "
-                               "without it, or without data_parallel")
+            raise OptpassError("data_parallel='zero1' does not support accumulation_steps (optimizer_in_backward "
+                               "would average and apply each micro-step's gradients). Accumulate with the update "
+                               "after backward: drop optimizer_in_backward and accumulation_steps, and compile "
+                               "the micro-steps (backward without opt.step()) with the step's options")
         if options.clip_grad_norm is not None and options.optimizer_in_backward:
             raise OptpassError(
                 "clip_grad_norm with data_parallel='zero1' and optimizer_in_backward is not supported: "

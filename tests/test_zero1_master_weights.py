@@ -50,10 +50,21 @@ SCALED_CASES = {
 }
 
 
+# Gradient accumulation (zero1_master_weights_workers.accumulation_parity): 2 compiled micro-steps
+# and the step per update, 10 updates; with a grad_scaler, an inf in a micro-step of update 7.
+ACCUMULATION_CASES = {
+    2: [{"optimizer": "AdamW", "dtype": "bf16", "gain": True},
+        {"optimizer": "SGD", "dtype": "fp16", "scaled": True}],
+    3: [{"optimizer": "AdamW", "dtype": "fp16", "scaled": True},
+        {"optimizer": "SGD", "dtype": "bf16", "gain": True}],
+}
+SCALED, ACCUMULATION = -2, -1       # their jobs' places in each group's results
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{world: per-rank [parity results, ...]}; the 2-rank group's checkpoint is resumed on 3. The
-    scaled cases stay last (the grad_scaler tests read ``jobs[-1]``)."""
+    scaled cases and then the accumulation cases stay last (``jobs[SCALED]``, ``jobs[ACCUMULATION]``)."""
     path = str(tmp_path_factory.mktemp("zero1_masters") / "ckpt")
     two = values(run_ranks(2, workers.run_all, [("parity", CASES[2]), ("rewritten_graph_diff",),
                                                 ("rewritten_graph_diff", True),
@@ -63,9 +74,11 @@ def ranks(tmp_path_factory):
                                                 ("reduce_buffers_in_backward",),
                                                 ("reduce_buffers_in_backward", 2),
                                                 ("reduce_buffers_in_backward_llama",),
-                                                ("scaled_parity", SCALED_CASES[2])], timeout_s=900))
+                                                ("scaled_parity", SCALED_CASES[2]),
+                                                ("accumulation_parity", ACCUMULATION_CASES[2])], timeout_s=900))
     three = values(run_ranks(3, workers.run_all, [("parity", CASES[3]), ("checkpoint_phase", "load", path),
-                                                  ("scaled_parity", SCALED_CASES[3])], timeout_s=900))
+                                                  ("scaled_parity", SCALED_CASES[3]),
+                                                  ("accumulation_parity", ACCUMULATION_CASES[3])], timeout_s=900))
     return {2: two, 3: three}
 
 
@@ -270,7 +283,7 @@ def test_checkpoint_saved_on_2_ranks_resumes_exactly_on_2_and_3(ranks):
 def _scaled(ranks):
     for world, per_rank in ranks.items():
         for rank, jobs in enumerate(per_rank):
-            for result in jobs[-1]:
+            for result in jobs[SCALED]:
                 yield world, rank, result
 
 
@@ -299,7 +312,7 @@ def test_one_ranks_inf_skips_the_step_on_every_rank(ranks):
     master shards, state shards incl. Adam's step), backs off the scale and counts one more skip."""
     for world, per_rank in ranks.items():
         for index in range(len(SCALED_CASES[world])):
-            results = [jobs[-1][index] for jobs in per_rank]
+            results = [jobs[SCALED][index] for jobs in per_rank]
             label = _label(world, results[0])
             assert all(r["inf_step_unchanged"] for r in results), label
             assert len({r["skipped"] for r in results}) == 1 and results[0]["skipped"] >= 1, label
@@ -315,6 +328,24 @@ def test_the_found_inf_flag_costs_one_all_reduce_per_step(ranks):
             assert found["all_reduce"] == [flags, 4 * flags], _label(world, result)
         else:
             assert found["all_reduce"][0] > flags, _label(world, result)
+
+
+def test_gradient_accumulation_matches_the_megatron_way_with_and_without_a_grad_scaler(ranks):
+    """Micro-steps compiled with the step's options (backward, no opt.step()) keep each rank's
+    half-precision gradients in .grad (DDP's no_sync()); the step adds its own and reduces the sums
+    in fp32. 10 updates of 3 micro-batches against the same per rank written out (the sums cast to
+    fp32 and averaged, then Megatron's step, torch.optim as torch.compile computes it): parameters
+    and masters bitwise on 2 and 3 ranks (measured), checked after every update; with a GradScaler
+    the scale equals the reference's after every update, across the update whose first micro-step
+    held an inf on the last rank (every rank skips it)."""
+    for world, per_rank in ranks.items():
+        for rank, jobs in enumerate(per_rank):
+            for result in jobs[ACCUMULATION]:
+                label = (world, rank, result)
+                assert result["ulps"] == 0 and result["master"] == 0.0, label
+                assert result["grads_kept"], label
+                if result.get("scaled"):
+                    assert result["scales_equal"] and result["skipped"] >= 1, label
 
 
 class TestShardOptimizerWithMastersGraph(TestCase):

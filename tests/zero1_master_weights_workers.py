@@ -570,3 +570,94 @@ def _scaled_parity_case(rank: int, world: int, case: dict) -> dict:
 def _same_full(a: dict, b: dict) -> bool:
     return (all(torch.equal(a["masters"][i], b["masters"][i]) for i in a["masters"])
             and all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i]))
+
+
+# ------------------------------------------------------------------ gradient accumulation
+#
+# MICRO_BATCHES - 1 compiled micro-steps (backward, no opt.step()) and the compiled step, the same
+# options: each rank's half-precision .grad sums its micro-batches as autograd does, the step
+# reduces the sums in fp32 (DDP's no_sync() on the micro-steps). The reference does the same per
+# rank in one process: the sums cast to fp32 and averaged, then Megatron's step. With a GradScaler
+# every backward is of scale * loss, and the last rank's first micro-batch of INF_STEP holds an inf.
+
+MICRO_BATCHES = 3
+ACCUMULATION_STEPS = 10
+
+
+def micro_batches(step: int, world: int, inf: bool) -> list[list]:
+    """[micro-batch][rank] batches of update `step`; with `inf`, an inf at INF_STEP (last rank, first one)."""
+    micro = [batches(1000 * (step + 1) + k, world) for k in range(MICRO_BATCHES)]
+    if inf and step == INF_STEP:
+        x, y = micro[0][-1]
+        x = x.clone()
+        x[0, 0] = float("inf")
+        micro[0][-1] = (x, y)
+    return micro
+
+
+class AccumulatingMegatron(ScaledDataParallelMegatron):
+    """DataParallelMegatron with gradient accumulation, optionally driven by a GradScaler."""
+
+    def __init__(self, model, make_optimizer, scaled: bool):
+        super().__init__(model, make_optimizer, update="compiled")
+        self.scaled = scaled
+
+    def accumulating_step(self, micro: list[list]) -> None:
+        backward = (lambda loss: self.scaler.scale(loss).backward()) if self.scaled else (lambda loss: loss.backward())
+        params = list(self.model.parameters())
+        sums = []
+        for rank in range(len(micro[0])):
+            for batch in micro:
+                backward(workers.loss_fn(self.model, *batch[rank]))   # .grad adds up in half precision
+            sums.append([p.grad.float() for p in params])
+            for p in params:
+                p.grad = None
+        for master, rank_sums in zip(self.masters, zip(*sums)):
+            master.grad = sum(rank_sums[1:], rank_sums[0]) / len(rank_sums)
+        if self.scaled:
+            self.finish_scaled_step(self.scaler, None)
+        else:
+            self.update()
+            self.opt.zero_grad()
+            self.copy_masters_back()
+
+
+def accumulation_parity(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """zero1 + master_weights (+ grad_scaler) with gradient accumulation against AccumulatingMegatron."""
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        scaled = case.get("scaled", False)
+        start = Model(DTYPES[case["dtype"]], case.get("gain", False))
+        model = copy.deepcopy(start)
+        opt = make_optimizer(case["optimizer"], list(model.parameters()))
+        scaler = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
+        reference = AccumulatingMegatron(copy.deepcopy(start), functools.partial(make_optimizer, case["optimizer"]),
+                                         scaled)
+        options = {"optimizer": opt, "data_parallel": "zero1", "master_weights": torch.float32,
+                   "grad_scaler": scaler, "lower": case.get("lower", "eager"), "bucket_bytes": BUCKET_BYTES}
+
+        def micro_step(x, y):
+            loss = workers.loss_fn(model, x, y)
+            loss.backward()
+            return loss.detach()
+
+        micro = torch.compile(micro_step, backend="optpass", options=options)
+        step = torch.compile(workers.make_step(model, opt), backend="optpass", options=options)
+        ulps_worst, master_worst, scales_equal, grads_kept = 0, 0.0, True, True
+        for i in range(ACCUMULATION_STEPS):
+            batches_of = micro_batches(i, world, inf=scaled)
+            for batch in batches_of[:-1]:
+                micro(*batch[rank])
+                grads_kept &= all(p.grad is not None for p in model.parameters())
+            step(*batches_of[-1][rank])
+            assert all(p.grad is None for p in model.parameters())
+            reference.accumulating_step(batches_of)
+            ulps_worst = max(ulps_worst, param_ulps(model, reference))
+            master_worst = max(master_worst, master_rel_diff(gather(opt, model), reference))
+            if scaled:
+                scales_equal &= scaler.get_scale() == reference.scaler.get_scale()
+        results.append({**case, "ulps": ulps_worst, "master": master_worst, "scales_equal": scales_equal,
+                        "grads_kept": grads_kept,
+                        "skipped": optpass.grad_scaler.skipped_steps(scaler) if scaled else None})
+    return results

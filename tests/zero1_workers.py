@@ -417,3 +417,65 @@ def hf_causal_lm(rank: int, world: int, in_backward: bool) -> dict:
             "kinds": [r.kind.value for r in optpass.recent_reports()],
             "sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
                            for r in steps) and bool(steps)}
+
+
+MICRO_BATCHES = 3           # gradient accumulation: micro-steps + the step, per update
+ACCUMULATION_STEPS = 8
+
+
+def micro_batch(step: int, micro: int, world: int):
+    """Micro-batch `micro` of update `step`: a global batch of its own (PER_RANK rows per rank)."""
+    return global_batch(1000 * (step + 1) + micro, world)
+
+
+def train_single_process_accumulating(optimizer: str, world: int, case: dict) -> nn.Module:
+    """The reference: one process, the whole of every micro-batch, .grad summed over them, as
+    DDP with no_sync() on the micro-steps gives (each rank's sum, averaged over the ranks)."""
+    model = make_model()
+    opt = make_optimizer(optimizer, param_groups(model))
+    for i in range(ACCUMULATION_STEPS):
+        for k in range(MICRO_BATCHES):
+            loss_fn(model, *micro_batch(i, k, world)).backward()
+        clip(model, case)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def accumulation(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """zero1 with gradient accumulation: MICRO_BATCHES - 1 compiled micro-steps (backward, no
+    opt.step()) and the compiled step, the same options; compared with single-process training."""
+    torch.set_default_dtype(torch.float64)
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        model = make_model()
+        opt = make_optimizer(case["optimizer"], param_groups(model))
+        options = {"optimizer": opt, "data_parallel": "zero1", "lower": case.get("lower", "eager"),
+                   "bucket_bytes": BUCKET_BYTES}
+        if case.get("clip") is not None:
+            options["clip_grad_norm"] = case["clip"]
+
+        def micro_step(x, y):
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            return loss.detach()
+
+        micro = torch.compile(micro_step, backend="optpass", options=options)
+        step = torch.compile(make_step(model, opt), backend="optpass", options=options)
+        optpass.report.clear_reports()
+        grads_kept, collectives_in_micro = True, 0
+        for i in range(ACCUMULATION_STEPS):
+            for k in range(MICRO_BATCHES - 1):
+                micro(*local(micro_batch(i, k, world), rank, world))
+                grads_kept &= all(p.grad is not None for p in model.parameters())
+            step(*local(micro_batch(i, MICRO_BATCHES - 1, world), rank, world))
+            assert all(p.grad is None for p in model.parameters())
+        reports = optpass.recent_reports()
+        applied = [any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
+                   for r in reports if r.kind is optpass.GraphKind.STEP]
+        reference = train_single_process_accumulating(case["optimizer"], world, case)
+        results.append({**case, "vs_single_process": rel_diff(model, reference), "grads_kept": grads_kept,
+                        "sharded_compiles": sum(applied), "plain_compiles": len(applied) - sum(applied),
+                        "checksum": sum(p.detach().double().abs().sum().item() for p in model.parameters())})
+    return results

@@ -312,19 +312,16 @@ def check_zero1(captured: CapturedGraph, options) -> None:
         return
     _refuse_unseen_gradient_transforms(captured)
     _refuse_parallel_collectives(captured.gm.graph)
-    if not options.optimizer_in_backward and not ends_at_optimizer_step(captured):
-        where = f" ({captured.backward_line})" if captured.backward_line else ""
+    # Gradient accumulation (after backward only): a micro-step (backward, no opt.step()) keeps this
+    # rank's gradients in .grad, as DDP's no_sync() does; the step that follows adds its own to them
+    # and averages the sums across ranks (shard_optimizer reads old + new, gradient_value).
+    if options.optimizer_in_backward and captured.accumulating:
         raise OptpassError(
-            f"data_parallel='zero1': this compiled step runs backward(){where} but does not call "
-            "opt.step(); zero1 would average and apply its gradients anyway, and leave none in .grad. "
-            "Gradient accumulation (micro-steps without opt.step()) with zero1 is not supported yet: "
-            f"write the whole step, `{SUPPORTED_SHAPE}`.")
-    if captured.accumulating:
-        raise OptpassError(
-            "data_parallel='zero1': this step accumulates into existing .grad tensors "
-            f"({', '.join(sorted(captured.accumulating)[:3])}); zero1 averages and applies the "
-            "gradients of each step. Call opt.zero_grad() in every step (gradient accumulation "
-            "with zero1 is not supported yet).")
+            "data_parallel='zero1' with optimizer_in_backward: this step accumulates into existing .grad "
+            f"tensors ({', '.join(sorted(captured.accumulating)[:3])}), which the update inside backward "
+            "would average and apply one micro-step at a time. Gradient accumulation with zero1 needs the "
+            "update after backward: drop optimizer_in_backward, and compile the micro-steps (backward "
+            "without opt.step()) and the step with the same options.")
     labels, _ = gradient_labels(captured)
     for node in captured.gm.graph.nodes:
         if node not in labels or _is_gradient_plumbing(node):

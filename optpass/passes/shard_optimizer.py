@@ -176,7 +176,7 @@ def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
     if plan is None:
         return ("not requested (options data_parallel)" if options.data_parallel != "zero1"
-                else "this compile keeps gradients (first update runs eagerly)")
+                else "this compile keeps gradients (a micro-step without opt.step(): they add up in .grad)")
     shard_update(step, plan)
     step.notes.append(_summary(plan))
     return None
