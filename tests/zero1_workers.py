@@ -373,13 +373,17 @@ def rewritten_graph_diff(rank: int, world: int) -> str:
     return optpass.graph_diff(report.graph_before, report.graph_after, context=0)
 
 
-def hf_causal_lm(rank: int, world: int, in_backward: bool) -> dict:
+def hf_causal_lm(rank: int, world: int, in_backward: bool, accumulate: bool = False) -> dict:
     """A tiny Llama (transformers, labels=) trained with zero1 on this rank's slice of each
-    global batch, against the same model trained in one process on the whole batch."""
+    global batch, against the same model trained in one process on the whole batch.
+    ``accumulate``: each update is 2 compiled micro-steps (backward, no opt.step()) and the step,
+    the sequence length changing between them and between updates (8, 12, 16 tokens in turn:
+    Dynamo recompiles each graph once with it symbolic)."""
     import copy
 
     import transformers
 
+    torch._dynamo.reset()
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -399,25 +403,44 @@ def hf_causal_lm(rank: int, world: int, in_backward: bool) -> dict:
             return out
         return train_step
 
-    step = torch.compile(make(model, opt), backend="optpass",
-                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager",
-                                  "optimizer_in_backward": in_backward})
+    def micro_step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    options = {"optimizer": opt, "data_parallel": "zero1", "lower": "eager", "optimizer_in_backward": in_backward}
+    step = torch.compile(make(model, opt), backend="optpass", options=options)
+    micro = torch.compile(micro_step, backend="optpass", options=options)
     eager = make(reference, ref_opt)
     optpass.report.clear_reports()
     losses = []
     for i in range(5):
-        ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(i))
-        local_loss = step(ids[2 * rank:2 * (rank + 1)])
-        # the mean over ranks of each rank's mean token loss is the global batch's (equal token counts)
-        dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
-        losses.append((local_loss.item(), eager(ids).item()))
+        lengths = ((8, 12, 16), (12, 16, 8), (16, 8, 12))[i % 3] if accumulate else (8,)
+        for k, length in enumerate(lengths):
+            ids = torch.randint(0, 64, (2 * world, length), generator=torch.Generator().manual_seed(10 * i + k))
+            last = k == len(lengths) - 1
+            local_loss = (step if last else micro)(ids[2 * rank:2 * (rank + 1)])
+            # the mean over ranks of each rank's mean token loss is the global batch's (equal token counts)
+            dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
+            if last:
+                losses.append((local_loss.item(), eager(ids).item()))
+            else:
+                reference_loss = reference(input_ids=ids, labels=ids).loss
+                reference_loss.backward()
+                losses.append((local_loss.item(), reference_loss.item()))
         assert all(p.grad is None for p in model.parameters())
     steps = [r for r in optpass.recent_reports() if r.kind is optpass.GraphKind.STEP]
+    sharded = [any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes) for r in steps]
     return {"losses": losses, "vs_single_process": rel_diff(model, reference),
             "kinds": [r.kind.value for r in optpass.recent_reports()],
-            "sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
-                           for r in steps) and bool(steps)}
+            # every step graph is sharded; micro-steps (accumulate) are not
+            "sharded": bool(steps) and (any(sharded) if accumulate else all(sharded)),
+            "unsharded_compiles": len(sharded) - sum(sharded)}
 
+
+def hf_causal_lm_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
+    """Several hf_causal_lm runs (keyword arguments each) in one spawned group."""
+    return [hf_causal_lm(rank, world, **run) for run in runs]
 
 MICRO_BATCHES = 3           # gradient accumulation: micro-steps + the step, per update
 ACCUMULATION_STEPS = 8
