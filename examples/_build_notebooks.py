@@ -1142,8 +1142,11 @@ for i in range(12):
   the step, gradient accumulation included (micro-steps compiled with the same options);
   `clip_grad_norm` clips the fp32 (unscaled) gradients. Both work with
   `data_parallel="zero1"` too (README).
+* With `data_parallel="zero1"` gradient accumulation works too (micro-steps compiled with
+  the same options, the update after backward: each rank's sums reduced in fp32, README).
 * Not yet: gradient accumulation with `optimizer_in_backward` and a scaler, or with
-  `data_parallel="zero1"`; optpass refuses them with an error that says so.
+  `optimizer_in_backward` under `data_parallel="zero1"`; optpass refuses them with an
+  error that says so.
 """),
 ]
 
