@@ -7,10 +7,12 @@ needed) and calls it once per Dynamo graph of the step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 from optpass import lowering
-from optpass.capture import (GraphKind, capture, enable_backward_capture, ignore_logging_calls,
+from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
@@ -40,57 +42,77 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         warn_backward_outside(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
-    # ZeRO-1: prove the step hands over raw gradients, then run it through the callable that
-    # updates this rank's shard in the graph (with master_weights: its fp32 master shard).
-    if options.data_parallel == "zero1" and captured.kind is not GraphKind.OTHER:
-        check_zero1(captured, options)
-        if options.master_weights is not None:
-            check_master_weights(captured, options)
-        if options.optimizer_in_backward:
-            check_optimizer_in_backward(captured, options)
-        if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
-            compile_fn = functools.partial(_lower, captured=captured, options=options)
-            return ShardedStep(gm, captured, options, gm.forward, compile_fn)
-        # a micro-step (backward, no opt.step()): this rank's gradients stay in .grad, as under DDP's
-        # no_sync(); the step that follows reduces their sum (under a grad_scaler, scaled)
-        if _scaled_micro_step(captured, options):
-            return ScaledMicroStep(gm, captured, options, functools.partial(_lower, captured=captured, options=options))
+    # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
+    # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
+    runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    if runtime is None or captured.kind is GraphKind.OTHER:
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
-    # fp32 master weights: the step graph applies every update on the masters, inside backward
-    # (optimizer_in_backward) or after it (a step that calls opt.step()); the user's opt.step() is idle.
-    if options.master_weights is not None and captured.kind is not GraphKind.OTHER:
+    runtime.check(captured, options)
+    lower = functools.partial(_lower, captured=captured, options=options)
+    if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
+        plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
+        return runtime.step(gm, captured, options, plain, lower)
+    # a micro-step of gradient accumulation (backward, no opt.step()): its gradients stay in .grad
+    # for the step that follows; under a grad_scaler its backward is of loss * scale
+    if _scaled_micro_step(captured, options):
+        return ScaledMicroStep(gm, captured, options, lower)
+    return lower(gm, example_inputs, {})
+
+
+def _check_zero1(captured, options) -> None:
+    """The step hands zero1 raw gradients (and, with master_weights, holds backward and every transform)."""
+    check_zero1(captured, options)
+    if options.master_weights is not None:
         check_master_weights(captured, options)
-        if options.grad_scaler is not None:
-            check_grad_scaler(captured, options)
-        # made now (not at the first fused step): it refuses an optimizer with no bf16/fp16 parameter,
-        # and guards opt.step() against running outside the compiled step, after a micro-step too
-        master_state(options.optimizer, options.master_weights)
-        if options.optimizer_in_backward:
-            check_optimizer_in_backward(captured, options)
-            refuse_update_during_accumulation(captured, options)
-        if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
-            compile_fn = functools.partial(_lower, captured=captured, options=options)
-            plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
-            return MasterWeightsStep(gm, captured, options, plain, compile_fn)
-        if _scaled_micro_step(captured, options):
-            return ScaledMicroStep(gm, captured, options, functools.partial(_lower, captured=captured, options=options))
-        return _lower(gm, example_inputs, {}, captured=captured, options=options)
-    # Optimizer in backward: prove it legal on this graph, then run the step through the
-    # callable that fuses torch.optim's own update into backward. A grad_scaler's step fuses the
-    # update too (after backward without in-backward): a skipped step must skip it in the same graph.
-    if (options.optimizer_in_backward or options.grad_scaler is not None) and captured.kind is not GraphKind.OTHER:
-        if options.optimizer_in_backward:
-            check_optimizer_in_backward(captured, options)
-        if options.grad_scaler is not None:
-            check_grad_scaler(captured, options)
+    if options.optimizer_in_backward:
+        check_optimizer_in_backward(captured, options)
+
+
+def _check_master_weights(captured, options) -> None:
+    check_master_weights(captured, options)
+    if options.grad_scaler is not None:
+        check_grad_scaler(captured, options)
+    # made now (not at the first fused step): it refuses an optimizer with no bf16/fp16 parameter,
+    # and guards opt.step() against running outside the compiled step, after a micro-step too
+    master_state(options.optimizer, options.master_weights)
+    if options.optimizer_in_backward:
+        check_optimizer_in_backward(captured, options)
         refuse_update_during_accumulation(captured, options)
-        if captured.kind is GraphKind.STEP:
-            compile_fn = functools.partial(_lower, captured=captured, options=options)
-            if _scaled_micro_step(captured, options):
-                return ScaledMicroStep(gm, captured, options, compile_fn)
-            plain = gm.forward if options.accumulation_steps == 1 else compile_fn(gm, example_inputs, {})
-            return OptimizerInBackwardStep(gm, captured, options, plain, compile_fn)
-    return _lower(gm, example_inputs, {}, captured=captured, options=options)
+
+
+def _check_fused_update(captured, options) -> None:
+    if options.optimizer_in_backward:
+        check_optimizer_in_backward(captured, options)
+    if options.grad_scaler is not None:
+        check_grad_scaler(captured, options)
+    refuse_update_during_accumulation(captured, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRuntime:
+    """How a rewrite that fuses the update into the step graph runs a step: when the options ask for
+    it, the legality it proves on every graph, and the callable that runs a step that updates (one
+    with optimizer_in_backward, or that ends at opt.step()). Micro-steps and the graphs around the
+    step are lowered as they are (a grad_scaler's micro-step scales its loss)."""
+
+    name: str
+    requested: Callable[[Options], bool]
+    check: Callable[[CapturedGraph, Options], None]
+    step: type
+
+
+# The first row whose options are set wins (zero1 keeps its own masters and runs its own scaler).
+STEP_RUNTIMES = (
+    # ZeRO-1: each rank updates its shard in the graph (with master_weights: its fp32 master shard)
+    StepRuntime("data_parallel", lambda o: o.data_parallel == "zero1", _check_zero1, ShardedStep),
+    # fp32 masters: every update on the masters, inside backward or after it; opt.step() is idle
+    StepRuntime("master_weights", lambda o: o.master_weights is not None, _check_master_weights,
+                MasterWeightsStep),
+    # torch.optim's own update fused into backward; a grad_scaler's step fuses it too (after
+    # backward without optimizer_in_backward): a skipped step must skip it in the same graph
+    StepRuntime("optimizer_in_backward", lambda o: o.optimizer_in_backward or o.grad_scaler is not None,
+                _check_fused_update, OptimizerInBackwardStep),
+)
 
 
 def _scaled_micro_step(captured, options) -> bool:
