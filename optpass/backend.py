@@ -11,12 +11,14 @@ import dataclasses
 import functools
 from typing import Callable
 
+import torch.fx
+
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
-                                  refuse_update_during_accumulation)
+                                  refuse_update_during_accumulation, shard_the_optimizer)
 from optpass.passes.legality import (check_grad_scaler, check_master_weights, check_optimizer_in_backward,
                                      check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state
@@ -47,7 +49,7 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
     if runtime is None or captured.kind is GraphKind.OTHER:
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
-    runtime.check(captured, options)
+    runtime.check(gm, captured, options)
     lower = functools.partial(_lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
         plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
@@ -59,16 +61,19 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     return lower(gm, example_inputs, {})
 
 
-def _check_zero1(captured, options) -> None:
+def _check_zero1(gm, captured, options) -> None:
     """The step hands zero1 raw gradients (and, with master_weights, holds backward and every transform)."""
     check_zero1(captured, options)
     if options.master_weights is not None:
         check_master_weights(captured, options)
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
+    if captured.kind is GraphKind.STEP:
+        # made now, a micro-step's compile included: rank 0's parameters before any gradient
+        shard_the_optimizer(gm, captured, options)
 
 
-def _check_master_weights(captured, options) -> None:
+def _check_master_weights(gm, captured, options) -> None:
     check_master_weights(captured, options)
     if options.grad_scaler is not None:
         check_grad_scaler(captured, options)
@@ -80,7 +85,7 @@ def _check_master_weights(captured, options) -> None:
         refuse_update_during_accumulation(captured, options)
 
 
-def _check_fused_update(captured, options) -> None:
+def _check_fused_update(gm, captured, options) -> None:
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
     if options.grad_scaler is not None:
@@ -91,13 +96,14 @@ def _check_fused_update(captured, options) -> None:
 @dataclasses.dataclass(frozen=True)
 class StepRuntime:
     """How a rewrite that fuses the update into the step graph runs a step: when the options ask for
-    it, the legality it proves on every graph, and the callable that runs a step that updates (one
+    it, the legality it proves on every graph (and the state it keeps, made there: the masters, the
+    shards), and the callable that runs a step that updates (one
     with optimizer_in_backward, or that ends at opt.step()). Micro-steps and the graphs around the
     step are lowered as they are (a grad_scaler's micro-step scales its loss)."""
 
     name: str
     requested: Callable[[Options], bool]
-    check: Callable[[CapturedGraph, Options], None]
+    check: Callable[[torch.fx.GraphModule, CapturedGraph, Options], None]
     step: type
 
 

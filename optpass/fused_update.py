@@ -343,6 +343,23 @@ def _append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
     return len(placeholders)
 
 
+def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, options):
+    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.sharded_optimizer``), made at the first
+    compile of any step graph that uses it, a micro-step's included: the ranks agree on the model and
+    take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
+    ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
+    gradients final (every step graph of the program runs the same backward)."""
+    from optpass.zero1 import gradient_order, sharded_optimizer, trainable_params
+
+    names_by_id = {id(p.tensor): p.name for p in captured.params}
+    placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}
+    trainable = trainable_params(options.optimizer)
+    order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
+                                      if id(p) in placeholder_of}, len(trainable))
+    return sharded_optimizer(options.optimizer, options.process_group, options.partition,
+                             options.bucket_bytes, names_by_id, options.master_weights, order)
+
+
 class ShardedStep(OptimizerInBackwardStep):
     """The step callable for data_parallel='zero1' (with or without optimizer_in_backward).
 
@@ -357,15 +374,8 @@ class ShardedStep(OptimizerInBackwardStep):
     feature = "data_parallel='zero1'"
 
     def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        from optpass.zero1 import gradient_order, sharded_optimizer, trainable_params
-
         names_by_id = {id(p.tensor): p.name for p in captured.params}
-        placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}
-        trainable = trainable_params(options.optimizer)
-        order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
-                                          if id(p) in placeholder_of}, len(trainable))
-        self.sharded = sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                                         options.bucket_bytes, names_by_id, options.master_weights, order)
+        self.sharded = shard_the_optimizer(gm, captured, options)
         super().__init__(gm, captured, options, plain, compile_fn)
         self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
         missing = [f"#{i}" if name is None else name for i, name in self.names.items()

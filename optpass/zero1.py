@@ -421,11 +421,30 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     order = check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype, order)
     broadcast_parameters(optimizer, pg)
     sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)
-    if master_dtype is not None:
-        # an eager opt.step() would update the parameters and bypass the masters: it raises
-        optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step)
+    # an eager opt.step() with gradients would update every parameter with this rank's gradients
+    # (and, with master_weights, bypass the masters): it raises
+    optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
+                                     else refuse_unsharded_step)
     _SHARDED[optimizer] = sharded
     return sharded
+
+
+def refuse_unsharded_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """An eager opt.step() with gradients on a sharded optimizer (e.g. after micro-steps of gradient
+    accumulation, which leave this rank's gradients in .grad). While Dynamo traces opt.step() inside
+    the compiled step this checks nothing: there the update is the sharded one."""
+    if torch.compiler.is_compiling():
+        return
+    fed = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if fed:
+        raise OptpassError(
+            f"data_parallel='zero1': opt.step() was called with gradients on {len(fed)} parameter(s) outside "
+            "the compiled step. This optimizer's state is sharded over the ranks, and its update runs inside "
+            "the step compiled with options={'optimizer': opt, 'data_parallel': 'zero1'}, on the gradients "
+            "averaged across ranks; this call would update every parameter with this rank's gradients alone "
+            "(the ranks would drift apart) and build full-size state. Call opt.step() inside that compiled "
+            "step, after loss.backward() (with gradient accumulation: the compiled step runs the last "
+            "micro-batch).")
 
 
 def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:

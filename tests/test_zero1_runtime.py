@@ -83,8 +83,11 @@ def test_gradient_accumulation_equals_single_process_training_on_the_whole_batch
     no_sync()), the step reduces the sums; equal to one process summing every micro-batch's whole-batch
     gradients (measured 4e-16). Micro-steps compile without the sharded update (twice: .grad None, then
     accumulating), the step with it (counted under the eager lowering: under Inductor a graph served
-    by the FX graph cache reports no passes); also under Inductor and with clip_grad_norm."""
-    cases = [{"optimizer": "SGD"}, {"optimizer": "AdamW", "lower": "inductor"}, {"optimizer": "SGD", "clip": 0.5}]
+    by the FX graph cache reports no passes); also under Inductor and with clip_grad_norm. The ranks
+    start from rank 0's parameters, a micro-step first as a step (``ranks_differ``: rank 1's model
+    differs; the micro-step's compile shards the optimizer and broadcasts them)."""
+    cases = [{"optimizer": "SGD", "ranks_differ": True}, {"optimizer": "AdamW", "lower": "inductor"},
+             {"optimizer": "SGD", "clip": 0.5}]
     for rank, results in enumerate(values(run_ranks(2, workers.accumulation, cases, timeout_s=600))):
         for result in results:
             assert result["vs_single_process"] < 1e-12, (rank, result)
@@ -103,8 +106,11 @@ def _one_rank_group():
 def test_a_micro_step_keeps_this_ranks_gradients_and_updates_nothing():
     """Without optimizer_in_backward zero1 applies the update in the step that calls opt.step(); a
     micro-step of gradient accumulation leaves its gradients in .grad, as eager autograd does (until
-    2026-11-24 it updated the parameters and dropped the gradients; then it was refused)."""
+    2026-11-24 it updated the parameters and dropped the gradients; then it was refused). An eager
+    opt.step() after it is refused (it ran, with this rank's gradients and full-size state)."""
     import torch
+
+    import optpass
 
     dist = _one_rank_group()
     try:
@@ -126,6 +132,11 @@ def test_a_micro_step_keeps_this_ranks_gradients_and_updates_nothing():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        # the optimizer is sharded now: an eager opt.step() would apply this rank's gradients alone
+        with pytest.raises(optpass.OptpassError, match=r"data_parallel='zero1': opt.step\(\) was called with "
+                                                       r"gradients on 6 parameter\(s\) outside the compiled step"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
     finally:
         dist.destroy_process_group()
 

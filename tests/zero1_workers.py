@@ -473,6 +473,10 @@ def accumulation(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         torch._dynamo.reset()
         model = make_model()
+        if case.get("ranks_differ"):        # zero1 starts every rank from rank 0's parameters
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * rank)
         opt = make_optimizer(case["optimizer"], param_groups(model))
         options = {"optimizer": opt, "data_parallel": "zero1", "lower": case.get("lower", "eager"),
                    "bucket_bytes": BUCKET_BYTES}
