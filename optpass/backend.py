@@ -95,11 +95,12 @@ def _check_fused_update(gm, captured, options) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StepRuntime:
-    """How a rewrite that fuses the update into the step graph runs a step: when the options ask for
-    it, the legality it proves on every graph (and the state it keeps, made there: the masters, the
-    shards), and the callable that runs a step that updates (one
-    with optimizer_in_backward, or that ends at opt.step()). Micro-steps and the graphs around the
-    step are lowered as they are (a grad_scaler's micro-step scales its loss)."""
+    """How a rewrite that fuses the update into the step graph runs a step: when the options ask
+    for it (``requested``), the legality it proves on every graph of the step and the state it
+    keeps, made there (``check``: the masters, the shards), and the callable that runs a step
+    that updates (``step``: one with optimizer_in_backward, or that ends at opt.step()).
+    Micro-steps and the graphs around the step are lowered as they are (a grad_scaler's
+    micro-step scales its loss)."""
 
     name: str
     requested: Callable[[Options], bool]
