@@ -141,13 +141,19 @@ class MasterWeights:
         ``state[STATE_DICT_KEY]`` (a checkpoint with masters) is taken as it is. State torch.optim
         holds for a parameter (a checkpoint without masters, or eager steps before) becomes the
         master optimizer's, in fp32, and that master is re-read from the parameter at the next step.
-        Tensors are taken, not copied, as torch.optim's load_state_dict takes them."""
+        Tensors are taken, not copied, as torch.optim's load_state_dict takes them.
+
+        State the user's optimizer made in its constructor (Adagrad's ``sum``, filled with
+        ``initial_accumulator_value`` in the parameter's bf16) is the master optimizer's own,
+        rounded: the master keeps its fp32 one (0.1, not bf16's 0.10009765625)."""
         state = self.optimizer.state
         saved = state.pop(STATE_DICT_KEY, None)
         plain = [(p, m, state.pop(p)) for p, m in self.pairs() if p in state]
         if saved is not None:
             self._load_entry(saved)
         for p, m, values in plain:
+            if _is_rounded(self.master_optimizer.state.get(m), values):
+                continue
             self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
             if m is not p:
                 self._stale.add(id(p))
@@ -176,6 +182,22 @@ def refuse_without_low_precision(params: list[torch.Tensor]) -> None:
             f"master_weights: the optimizer's parameters are {', '.join(dtypes)}, none is bfloat16 or "
             "float16, so there is nothing to keep an fp32 master copy of. Cast the model before "
             "building the optimizer over it (model.to(torch.bfloat16)), or drop master_weights.")
+
+
+def _is_rounded(master_state: dict | None, values: dict) -> bool:
+    """Whether ``values`` are ``master_state`` rounded to their dtypes, entry by entry."""
+    if not master_state or master_state.keys() != values.keys():
+        return False
+    for key, value in values.items():
+        mine = master_state[key]
+        if isinstance(value, torch.Tensor) != isinstance(mine, torch.Tensor):
+            return False
+        if not isinstance(value, torch.Tensor):
+            if value != mine:
+                return False
+        elif value.shape != mine.shape or not torch.equal(mine.to(device=value.device, dtype=value.dtype), value):
+            return False
+    return True
 
 
 def _as_master_state(key, value, master: torch.Tensor):
