@@ -193,8 +193,7 @@ def _record(optimizer, roles: Callable[[], dict[int, tuple]], scalars: bool = Fa
 
     # Static shapes keep the graph free of symbolic sizes, so it lowers to aten on its own.
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), _one_graph():
-        # the class's step: an lr scheduler wraps the instance's in a function Dynamo skips
-        torch.compile(types.MethodType(type(optimizer).step, optimizer), backend=recorder, fullgraph=True)()
+        torch.compile(_step_with_a_cache_of_its_own(optimizer), backend=recorder, fullgraph=True)()
     graphs = [r for r in recorded if any(n.op in ("call_function", "call_method") for n in r.gm.graph.nodes)]
     # Dynamo keeps the backend (and so this list) alive for the life of the process.
     recorded.clear()
@@ -203,6 +202,22 @@ def _record(optimizer, roles: Callable[[], dict[int, tuple]], scalars: bool = Fa
             f"{type(optimizer).__name__}.step() compiled to no graph, so its update cannot be moved "
             "into the step graph.")
     return graphs
+
+
+def _step_with_a_cache_of_its_own(optimizer) -> Callable[[], object]:
+    """``type(optimizer).step`` (the class's: an lr scheduler wraps the instance's in a function
+    Dynamo skips) bound to `optimizer`, over a copy of its code object.
+
+    Dynamo caches what it compiles per code object and, under ``fullgraph=True``, fails the
+    compile that would exceed ``recompile_limit`` (8). Every torch.optim class's step is the same
+    code object (``Optimizer.profile_hook_step``'s ``wrapper``), guarded on the optimizer's
+    identity: the ninth harvest of a process failed (the fifth model of a sweep, a notebook cell
+    run a fifth time). A copy's cache is its own, and goes when the copy does."""
+    step = type(optimizer).step
+    fresh = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                               step.__defaults__, step.__closure__)
+    fresh.__kwdefaults__ = step.__kwdefaults__
+    return types.MethodType(fresh, optimizer)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,9 @@ module holds what does not live in a graph:
   - ``"even"`` (default, DeepSpeed's): the bucket's flat concatenation, padded to
     a multiple of N, in N equal chunks; a parameter may be split across ranks.
     reduce_scatter + all_gather bytes equal DDP's all-reduce; needs an elementwise optimizer
-    (every torch.optim optimizer but Adafactor/LBFGS/SparseAdam).
+    (every torch.optim optimizer but Adafactor/Muon/LBFGS/SparseAdam; ``elementwise.py``
+    checks the update's graph and refuses the others, for either partition: each rank's
+    chunk is one flat tensor).
   - ``"greedy"`` (ZeroRedundancyOptimizer's sorted-greedy): whole parameters,
     largest first, each to the rank with the least state so far; a rank's chunk
     is padded to the bucket's largest, so reduce_scatter + all_gather may carry
@@ -58,6 +60,7 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
+from optpass.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
 from optpass.mixed_precision import (LOW_PRECISION, refuse_step_outside_the_compiled_step,
                                      refuse_without_low_precision)
@@ -418,6 +421,7 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
                 f"{existing.bucket_bytes}, master_weights {existing.master_dtype}; compile every step "
                 "that uses it, and call load_sharded_checkpoint, with the same options.")
         return existing
+    refuse_non_elementwise(optimizer, master_dtype)      # every rank: the same verdict, before any collective
     order = check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype, order)
     broadcast_parameters(optimizer, pg)
     sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)

@@ -386,3 +386,73 @@ def test_harvest_keeps_no_gradient_memory_alive():
                 if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
                 and o.device.type == "cpu" and o.shape == (64, 64)}
     assert len(storages) == 2 * 3          # two weights: the parameter, exp_avg, exp_avg_sq each
+
+
+def test_a_sweep_trains_every_model_fused_in_one_process():
+    """A sweep (or a notebook cell run again): one model after another in one process, no
+    torch._dynamo.reset(). Every torch.optim class's step is one code object, which Dynamo compiles
+    at most 8 times under fullgraph: the harvest of the fifth model failed (two harvests each). Six
+    models, each fused from its first step and equal to eager."""
+    for run in range(6):
+        twin = Twin(MLP, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2 * (run + 1)))
+        optpass.report.clear_reports()
+        params, _ = train_both(twin, steps=2)
+        assert params <= TOL, run
+        assert fused_reports(), run
+
+
+class Lion(torch.optim.Optimizer):
+    """A user-defined optimizer, as people copy Lion into their code (Chen et al. 2023). Its step()
+    begins with the graph break every torch.optim optimizer has (legality: otherwise Dynamo traces
+    it into the step graph and optpass cannot take the update from a graph of its own)."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, graph_break=True):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+        self.graph_break = graph_break
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(state["exp_avg"] * beta1 + p.grad * (1 - beta1)), alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def test_a_user_defined_optimizer_is_fused_and_matches_eager():
+    """Not only torch.optim's: a user's Optimizer subclass is harvested like one (state made in its
+    own step at the first update), fused from the first step, exactly eager's over 20 steps."""
+    twin = Twin(MLP, lambda m: Lion(m.parameters()))
+    optpass.report.clear_reports()
+    params, state = train_both(twin)
+    assert params <= TOL and state <= TOL
+    assert next(r for r in optpass.recent_reports() if r.kind is GraphKind.STEP) in fused_reports()
+
+
+@pytest.mark.parametrize("feature", ["optimizer_in_backward", "master_weights"])
+def test_a_user_defined_optimizer_traced_into_the_step_graph_is_refused_with_the_fix(feature):
+    """Without the graph break Dynamo traces Lion.step() into the step graph, which then ends at
+    opt.zero_grad(). The refusal says so and names the one-line fix (until 2026-11-24 it asked to
+    "make everything between loss.backward() and opt.step() compile", which it did)."""
+    model = MLP()
+    if feature == "master_weights":
+        model = model.to(torch.bfloat16)
+    opt = Lion(model.parameters(), graph_break=False)
+    options = {"optimizer": opt, "lower": "eager",
+               **({"optimizer_in_backward": True} if feature == "optimizer_in_backward"
+                  else {"master_weights": torch.float32})}
+    step = torch.compile(make_step(model, opt, mlp_loss), backend="optpass", options=options)
+    x, y = mlp_data(0, next(model.parameters()).dtype)
+    with pytest.raises(Exception, match=(
+            rf"{feature} refused: Lion.step\(\) ran inside the compiled step's graph \(at .*test_optimizer_in_backward.py"
+            r".*opt.zero_grad\(\).* Add torch._dynamo.graph_break\(\) as the first line of Lion.step\(\) "
+            r"\(.*test_optimizer_in_backward.py:\d+; a no-op outside torch.compile\)")):
+        step(x, y)

@@ -161,6 +161,82 @@ def test_accumulation_with_optimizer_in_backward_is_refused():
         dist.destroy_process_group()
 
 
+class TrustRatioSGD:
+    """A LAMB-like user optimizer (a torch.optim.Optimizer subclass, made in the test): the update is
+    scaled by ||p|| / ||m||, a norm of the whole parameter. Its step() breaks the graph where it
+    begins, as torch.optim's do (legality refuses one Dynamo traces into the step graph)."""
+
+    @staticmethod
+    def make(params, lr=0.05):
+        import torch
+
+        class TrustRatio(torch.optim.Optimizer):
+            def __init__(self, params, lr):
+                super().__init__(params, {"lr": lr})
+
+            @torch.no_grad()
+            def step(self):
+                torch._dynamo.graph_break()
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if not state:
+                            state["m"] = torch.zeros_like(p)
+                        state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                        p.add_(state["m"] * (p.norm() / state["m"].norm().clamp_min(1e-12)), alpha=-group["lr"])
+
+        return TrustRatio(params, lr)
+
+
+@pytest.mark.parametrize("partition", ["even", "greedy"])
+@pytest.mark.parametrize("name, ops", [
+    ("Adafactor", "aten.sum.dim_IntList"),          # factored second moments, a relative step
+    ("Muon", "aten.sum.dim_IntList, aten.permute.default, aten.mm.default"),
+    ("TrustRatio", "aten.sum.dim_IntList"),
+])
+def test_an_optimizer_whose_update_is_not_elementwise_is_refused(name, ops, partition):
+    """Each rank updates its flat piece of a bucket with an optimizer of the user's class: for an
+    update that reads a whole parameter this computed something else, silently (Adafactor, 2 ranks, 5
+    steps: 2.3% off single-process training, either partition). Now the check of the update's graph
+    (optpass/elementwise.py) refuses it on every rank before any collective."""
+    import torch
+
+    dist = _one_rank_group()
+    try:
+        model = workers.make_model()
+        params = [p for p in model.parameters() if p.dim() == 2 or name != "Muon"]   # Muon: matrices only
+        for p in model.parameters():
+            p.requires_grad_(any(p is q for q in params))
+        opt = (TrustRatioSGD.make(params) if name == "TrustRatio"
+               else getattr(torch.optim, name)(params, lr=0.01))
+        step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
+            "optimizer": opt, "data_parallel": "zero1", "partition": partition, "lower": "eager"})
+        with pytest.raises(Exception, match=(
+                rf"OptpassError: data_parallel='zero1': {name}'s update is not elementwise: it computes "
+                rf"{ops}.* over a whole parameter.* or drop data_parallel='zero1'")):
+            step(*workers.local(workers.global_batch(0, 1), 0, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_elementwise_torch_optim_optimizer_passes_the_check():
+    """The 18 configurations test_optimizer_in_backward.py trains (SGD's variants, Adam(W) with amsgrad
+    or fused=True, Adagrad, RMSprop centered, NAdam, RAdam, Adamax, Adadelta, Rprop, ASGD) and a
+    user-defined Lion: no op of
+    their update mixes a parameter's elements, in fp32 and on bf16 parameters with fp32 masters."""
+    import torch
+
+    from optpass.elementwise import non_elementwise_ops
+    from test_optimizer_in_backward import OPTIMIZERS, TRAPS, Lion
+
+    for name, make in {**OPTIMIZERS, **TRAPS, "lion (user-defined)": Lion}.items():
+        for dtype, master in ((torch.float32, None), (torch.bfloat16, torch.float32)):
+            params = [torch.nn.Parameter(torch.zeros(5, 2, dtype=dtype)), torch.nn.Parameter(torch.zeros(3, dtype=dtype))]
+            assert non_elementwise_ops(make(params), master) == [], (name, dtype)
+
+
 @pytest.mark.parametrize("options, match", [
     ({"data_parallel": "zero1"}, "needs the optimizer"),
     ({"data_parallel": "zero2"}, "must be one of"),

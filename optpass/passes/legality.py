@@ -38,14 +38,16 @@ option instead); a micro-step without ``opt.step()`` scales its backward.
 
 from __future__ import annotations
 
+import inspect
 import operator
+import os
 
 import torch
 import torch.fx
 
 from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, is_existing_gradient,
                              backward_outside_message)
-from optpass.errors import OptpassError, node_user_line
+from optpass.errors import _FRAME, OptpassError, SourceLine, node_user_line
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
 
@@ -62,7 +64,7 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
     _refuse_backward_outside(captured, "optimizer_in_backward")
     if captured.kind is not GraphKind.STEP:
         return
-    _refuse_unseen_gradient_transforms(captured)
+    _refuse_unseen_gradient_transforms(captured, "optimizer_in_backward", options.optimizer)
     _refuse_parallel_collectives(captured.gm.graph)
     _refuse_coupled_gradients(captured)
 
@@ -120,7 +122,7 @@ def check_grad_scaler(captured: CapturedGraph, options) -> None:
                 "after loss.backward().")
     if captured.kind is not GraphKind.STEP:
         return
-    _refuse_unseen_gradient_transforms(captured, "grad_scaler")
+    _refuse_unseen_gradient_transforms(captured, "grad_scaler", options.optimizer)
     # Without optimizer_in_backward a step without opt.step() is a micro-step of gradient
     # accumulation: it scales its backward and leaves the scaled gradients in .grad
     # (fused_update.ScaledMicroStep); the next whole step unscales and checks their sum.
@@ -151,11 +153,22 @@ def _first_gradient_transform(captured: CapturedGraph) -> torch.fx.Node | None:
                  if node in labels and not _is_gradient_plumbing(node)), None)
 
 
-def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str = "optimizer_in_backward") -> None:
+def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str, optimizer=None) -> None:
     """A step graph must end at opt.step() or at return: a graph break after backward() hides
     whatever it does to the gradients (GradScaler's unscale_, a custom transform) from the proof."""
     if captured.split_reason is None or captured.split_reason.startswith(OPTIMIZER_SPLIT):
         return
+    inline = _optimizer_step_traced_inline(captured, optimizer) if optimizer is not None else None
+    if inline is not None:
+        cls = type(optimizer).__name__
+        raise OptpassError(
+            f"{feature} refused: {cls}.step() ran inside the compiled step's graph (at {inline}), and "
+            f"the graph ended later, at {captured.split_line}. optpass takes an optimizer's update from "
+            "a graph of its own, which every torch.optim optimizer makes by breaking the graph where its "
+            "step() begins (its @torch.optim.optimizer._use_grad_for_differentiable); this optimizer's "
+            f"step() has no such break. Add torch._dynamo.graph_break() as the first line of "
+            f"{cls}.step() ({inline.file}:{_first_line(optimizer)}; a no-op outside torch.compile), or "
+            f"drop {feature}.")
     raise OptpassError(
         f"{feature} refused: the compiled step ends after backward() at "
         f"{captured.split_line}, because of: {captured.split_reason}. What runs after that point "
@@ -163,6 +176,25 @@ def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str = "
         "gradients, and optpass does not prove a rewrite on code it cannot see. Make everything "
         "between loss.backward() and opt.step() compile (no graph breaks), or drop "
         f"{feature}.")
+
+
+def _optimizer_step_traced_inline(captured: CapturedGraph, optimizer) -> SourceLine | None:
+    """The user's line inside ``type(optimizer).step`` that a node of the step graph came from:
+    Dynamo traced that step into the graph (a user-defined optimizer without torch.optim's break)."""
+    code = getattr(inspect.unwrap(type(optimizer).step), "__code__", None)   # under torch.optim's profiling wrapper
+    if code is None or code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep):
+        return None
+    lines = {line for _, _, line in code.co_lines() if line is not None}
+    for node in captured.gm.graph.nodes:
+        for frame in _FRAME.finditer(node.meta.get("stack_trace") or ""):
+            if (frame["file"] == code.co_filename and frame["func"] == code.co_name
+                    and int(frame["line"]) in lines):
+                return SourceLine(frame["file"], int(frame["line"]), frame["func"], frame["code"])
+    return None
+
+
+def _first_line(optimizer) -> int:
+    return inspect.unwrap(type(optimizer).step).__code__.co_firstlineno
 
 
 def ends_at_optimizer_step(captured: CapturedGraph) -> bool:
@@ -175,7 +207,7 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     refuse a step whose backward, or whatever follows it before opt.step(), the graph does not hold."""
     _refuse_backward_outside(captured, "master_weights")
     if captured.kind is GraphKind.STEP:
-        _refuse_unseen_gradient_transforms(captured, "master_weights")
+        _refuse_unseen_gradient_transforms(captured, "master_weights", options.optimizer)
     if captured.kind is GraphKind.UPDATE:
         # opt.step() with gradients present: the fused step left none, so they come from elsewhere
         # (a compiled micro-step) and this update would bypass the masters
@@ -310,7 +342,7 @@ def check_zero1(captured: CapturedGraph, options) -> None:
     _refuse_backward_outside(captured, "data_parallel='zero1'")
     if captured.kind is not GraphKind.STEP:
         return
-    _refuse_unseen_gradient_transforms(captured)
+    _refuse_unseen_gradient_transforms(captured, "data_parallel='zero1'", options.optimizer)
     _refuse_parallel_collectives(captured.gm.graph)
     # Gradient accumulation (after backward only): a micro-step (backward, no opt.step()) keeps this
     # rank's gradients in .grad, as DDP's no_sync() does; the step that follows adds its own to them
