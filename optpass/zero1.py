@@ -64,6 +64,7 @@ from optpass.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
 from optpass.mixed_precision import (LOW_PRECISION, refuse_step_outside_the_compiled_step,
                                      refuse_without_low_precision)
+from optpass.zero1_state import adopt_unsharded_state, state_summary
 
 PARTITIONS = ("even", "greedy")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
@@ -311,6 +312,7 @@ class ShardedOptimizer:
                 dtype = master_dtype if self.has_master(bucket) else p.dtype
                 self.shards[bucket.index] = torch.zeros(owned, dtype=dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
+        adopt_unsharded_state(self)          # eager steps, a plain checkpoint: this rank's rows of it
         self._stale_masters = {b.index for b in self.layout.buckets if b.index in self.shards}
         self.refresh_masters()
 
@@ -477,6 +479,8 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
     for index, (g, p) in enumerate(trainable_params(optimizer)):
         label = names.get(id(p), f"#{index}")
         items.append((f"parameter {index} ({label}) of group {g}", (tuple(p.shape), str(p.dtype))))
+    items.append(("the optimizer state held before sharding (parameter, keys, scalars; load the same "
+                  "state on every rank)", state_summary(optimizer, [p for _, p in trainable_params(optimizer)])))
     return items
 
 

@@ -39,6 +39,7 @@ def param_groups(model: nn.Module) -> list[dict]:
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, {"lr": 0.01}),
     "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),   # state from its constructor
 }
 
 
@@ -505,4 +506,42 @@ def accumulation(rank: int, world: int, cases: list[dict]) -> list[dict]:
         results.append({**case, "vs_single_process": rel_diff(model, reference), "grads_kept": grads_kept,
                         "sharded_compiles": sum(applied), "plain_compiles": len(applied) - sum(applied),
                         "checksum": sum(p.detach().double().abs().sum().item() for p in model.parameters())})
+    return results
+
+
+def resume_from_plain_state(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Steps 0..k-1 eagerly in one process on the whole batches (every rank alike, as if each loaded
+    the same plain torch.optim checkpoint), then zero1 from step k on: against one process over all
+    steps. case["rank_without_state"]: that rank clears its optimizer state first (it loaded none);
+    case["frozen_while_eager"]: the last parameter takes no eager step (it holds no state);
+    case["one_group"]: one param group (buckets never span two groups)."""
+    torch.set_default_dtype(torch.float64)
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        model = make_model()
+        opt = make_optimizer(case["optimizer"], model.parameters() if case.get("one_group") else param_groups(model))
+        frozen = list(model.parameters())[-1] if case.get("frozen_while_eager") else None
+        if frozen is not None:
+            frozen.requires_grad_(False)                   # no gradient, so no state, in the eager steps
+        for i in range(case["eager_steps"]):
+            loss_fn(model, *global_batch(i, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        if frozen is not None:
+            frozen.requires_grad_(True)
+        if case.get("rank_without_state") == rank:
+            opt.state.clear()
+        step = torch.compile(make_step(model, opt), backend="optpass", options={
+            "optimizer": opt, "data_parallel": "zero1", "lower": "eager", "partition": case["partition"],
+            "optimizer_in_backward": case.get("in_backward", False),
+            "bucket_bytes": case.get("bucket_bytes", BUCKET_BYTES)})
+        try:
+            for i in range(case["eager_steps"], STEPS):
+                step(*local(global_batch(i, world), rank, world))
+        except Exception as error:            # noqa: BLE001  (the refusal is the result)
+            results.append({**case, "error": f"{type(error).__name__}: {error}"})
+            continue
+        results.append({**case, "vs_single_process": rel_diff(model, train_single_process(case["optimizer"], world)),
+                        "user_state_entries": len(opt.state)})
     return results

@@ -1,0 +1,129 @@
+"""The optimizer state a user's optimizer already holds when ZeRO-1 shards it.
+
+A run can reach its first zero1 step with full-size state in ``opt.state``: eager steps
+before it, ``opt.load_state_dict(...)`` of a plain torch.optim checkpoint (a run without
+zero1, DDP's), or state the optimizer made in its constructor (Adagrad's ``sum``). The
+sharded optimizer (``zero1.py``) used to start from fresh state and leave the user's in
+place: a resumed AdamW restarted its moments and bias corrections (measured: 8.5% off an
+uninterrupted run after 3 more steps), and every rank kept the full-size tensors.
+
+Now, when the optimizer is sharded:
+
+* each rank copies its rows of every per-element state tensor (the tensor has the
+  parameter's shape) into its shard's state, cast to the shard's dtype (the fp32 masters'
+  with master_weights); a scalar entry (``step``, ASGD's ``eta``/``mu``, NAdam's
+  ``mu_product``) is the bucket's, so every parameter of a bucket must hold the same value;
+* state that only the constructor made (it equals the shard optimizer's own, rounded to
+  the parameter's dtype: Adagrad's ``initial_accumulator_value``) is not copied: the
+  shard keeps its own, unrounded;
+* the user's optimizer keeps no state for the parameters zero1 updates (the full-size
+  tensors are freed);
+* the ranks must agree (``state_summary`` is part of ``zero1.signature``): load the same
+  state on every rank, as for DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optpass.errors import OptpassError
+
+# 0-d state entries that are scalars of the update, not elements of a 0-d parameter
+_SCALAR_KEYS = {"step", "eta", "mu", "mu_product"}
+
+
+def _is_scalar_entry(key: str, value: Any, param: torch.Tensor) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return True
+    if tuple(value.shape) != tuple(param.shape):
+        if value.numel() != 1:
+            raise OptpassError(
+                f"data_parallel='zero1': optimizer state {key!r} has shape {tuple(value.shape)}, neither the "
+                f"parameter's {tuple(param.shape)} nor a scalar, so it cannot be sharded by elements.")
+        return True
+    return param.dim() == 0 and key in _SCALAR_KEYS
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def state_summary(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> tuple:
+    """What every rank must agree on: which parameters hold state, its keys and its scalars."""
+    summary = []
+    for index, p in enumerate(params):
+        values = optimizer.state.get(p)
+        if values:
+            summary.append((index, tuple(sorted(values)),
+                            tuple((k, _scalar(v)) for k, v in sorted(values.items()) if _is_scalar_entry(k, v, p))))
+    return tuple(summary)
+
+
+@torch.no_grad()
+def adopt_unsharded_state(sharded) -> None:
+    """Move what ``sharded.optimizer.state`` holds for the trainable parameters into this rank's
+    shard state (see the module docstring); `sharded` is a ``zero1.ShardedOptimizer``."""
+    user = sharded.optimizer.state
+    params = [p for _, p in sharded.params]
+    if not any(p in user for p in params):
+        return
+    for bucket in sharded.layout.buckets:
+        held = [i for i in bucket.params if user.get(params[i])]
+        if not held:
+            continue
+        _refuse_unequal_bucket(bucket, held, params, user)
+        shard = sharded.shards.get(bucket.index)
+        if shard is None:
+            continue                                   # no rows of this bucket on this rank
+        made = sharded.shard_optimizer.state.get(shard, {})
+        segments = bucket.segments[sharded.rank]
+        if made and all(_is_rounded(made, user[params[s.param]], params[s.param], s) for s in segments):
+            continue                                   # the constructor's state: the shard keeps its own
+        first = params[held[0]]
+        state: dict = {}
+        for key, value in user[first].items():
+            if _is_scalar_entry(key, value, first):
+                state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                continue
+            flat = torch.zeros_like(shard)
+            for s in segments:
+                source = user[params[s.param]][key].reshape(-1)[s.start:s.stop]
+                flat[s.offset:s.offset + s.numel].copy_(source)
+            state[key] = flat
+        sharded.shard_optimizer.state[shard] = state
+    for p in params:
+        user.pop(p, None)
+
+
+def _refuse_unequal_bucket(bucket, held: list[int], params: list[torch.Tensor], user) -> None:
+    """One bucket is one parameter of the shard optimizer: one set of keys, one value of each scalar."""
+    reference = user[params[held[0]]]
+    scalars = {k: _scalar(v) for k, v in reference.items() if _is_scalar_entry(k, v, params[held[0]])}
+    for i in bucket.params:
+        values = user.get(params[i]) or {}
+        mine = {k: _scalar(v) for k, v in values.items() if _is_scalar_entry(k, v, params[i])}
+        if set(values) != set(reference) or mine != scalars:
+            raise OptpassError(
+                f"data_parallel='zero1': parameters #{held[0]} and #{i} share a bucket, but the optimizer "
+                f"state they hold differs ({sorted(reference)} with {scalars} against {sorted(values)} "
+                f"with {mine}): ZeRO-1 keeps one state per bucket, with one step count. Start zero1 from "
+                "state in which every parameter has taken the same steps (e.g. a checkpoint of a run that "
+                "updated them all), or from none (opt.state.clear()).")
+
+
+def _is_rounded(made: dict, values: dict, param: torch.Tensor, segment) -> bool:
+    """Whether this rank's rows of `values` are the shard's constructor state rounded to their dtype."""
+    if made.keys() != values.keys():
+        return False
+    for key, value in values.items():
+        mine = made[key]
+        if _is_scalar_entry(key, value, param):
+            if _scalar(value) != _scalar(mine):
+                return False
+            continue
+        rows = value.reshape(-1)[segment.start:segment.stop]
+        if not torch.equal(mine[segment.offset:segment.offset + segment.numel].to(rows.dtype), rows):
+            return False
+    return True
