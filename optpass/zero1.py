@@ -431,8 +431,27 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     # (and, with master_weights, bypass the masters): it raises
     optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
                                      else refuse_unsharded_step)
+    # its state lives in the shards: a plain state_dict would save none, a plain load would be ignored
+    optimizer.register_state_dict_pre_hook(refuse_plain_state_dict)
+    optimizer.register_load_state_dict_pre_hook(refuse_plain_load_state_dict)
     _SHARDED[optimizer] = sharded
     return sharded
+
+
+def refuse_plain_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    raise OptpassError(
+        "data_parallel='zero1': opt.state_dict() of a sharded optimizer would hold no state: each rank keeps "
+        "its shard of it (optpass.zero1.sharded_state(opt)), and the user's optimizer none. Save with "
+        "optpass.save_sharded_checkpoint(path, opt, model=model) on every rank (torch.distributed.checkpoint; "
+        "it loads on any number of ranks with optpass.load_sharded_checkpoint).")
+
+
+def refuse_plain_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    raise OptpassError(
+        "data_parallel='zero1': opt.load_state_dict() after the optimizer was sharded (at the first compile "
+        "of its step) would not reach the shards. Load a zero1 checkpoint with "
+        "optpass.load_sharded_checkpoint(path, opt, model=model) on every rank; load a plain torch.optim "
+        "state_dict before the first compiled step, on every rank: each rank then takes its rows of it.")
 
 
 def refuse_unsharded_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -173,6 +173,31 @@ def test_a_micro_step_keeps_this_ranks_gradients_and_updates_nothing():
         dist.destroy_process_group()
 
 
+def test_a_plain_state_dict_of_a_sharded_optimizer_is_refused_with_the_way_to_save():
+    """After the first compile each rank's state lives in its shards: opt.state_dict() returned no
+    state at all (silently, until 2026-11-24), and opt.load_state_dict() would not reach the shards."""
+    import torch
+
+    import optpass
+
+    dist = _one_rank_group()
+    try:
+        model = workers.make_model()
+        opt = workers.make_optimizer("AdamW", workers.param_groups(model))
+        plain = None
+        step = torch.compile(workers.make_step(model, opt), backend="optpass", options={
+            "optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+        step(*workers.local(workers.global_batch(0, 1), 0, 1))
+        with pytest.raises(optpass.OptpassError, match=r"opt.state_dict\(\) of a sharded optimizer would hold no "
+                                                       r"state.*optpass.save_sharded_checkpoint"):
+            plain = opt.state_dict()
+        with pytest.raises(optpass.OptpassError, match=r"opt.load_state_dict\(\) after the optimizer was sharded.*"
+                                                       r"optpass.load_sharded_checkpoint.*before the first compiled step"):
+            opt.load_state_dict({"state": {}, "param_groups": plain or []})
+    finally:
+        dist.destroy_process_group()
+
+
 def test_accumulation_with_optimizer_in_backward_is_refused():
     """Inside backward each update would average and apply one micro-step's gradients."""
     import torch
