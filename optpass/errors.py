@@ -52,14 +52,15 @@ def user_line_from_frames(frames: list[traceback.FrameSummary]) -> SourceLine | 
     return None
 
 
+def stack_frames(stack_trace: str | None) -> list[SourceLine]:
+    """Every frame of a node's ``meta['stack_trace']`` string, outermost first."""
+    return [SourceLine(m["file"], int(m["line"]), m["func"], m["code"])
+            for m in _FRAME.finditer(stack_trace or "")]
+
+
 def user_line(stack_trace: str | None) -> SourceLine | None:
     """The innermost user frame of a node's ``meta['stack_trace']`` string."""
-    if not stack_trace:
-        return None
-    frames = [
-        traceback.FrameSummary(m["file"], int(m["line"]), m["func"], line=m["code"])
-        for m in _FRAME.finditer(stack_trace)
-    ]
+    frames = [traceback.FrameSummary(f.file, f.line, f.function, line=f.code) for f in stack_frames(stack_trace)]
     return user_line_from_frames(frames)
 
 

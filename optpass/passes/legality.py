@@ -47,7 +47,7 @@ import torch.fx
 
 from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, is_existing_gradient,
                              backward_outside_message)
-from optpass.errors import _FRAME, OptpassError, SourceLine, node_user_line
+from optpass.errors import OptpassError, SourceLine, node_user_line, stack_frames
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
 
@@ -186,10 +186,9 @@ def _optimizer_step_traced_inline(captured: CapturedGraph, optimizer) -> SourceL
         return None
     lines = {line for _, _, line in code.co_lines() if line is not None}
     for node in captured.gm.graph.nodes:
-        for frame in _FRAME.finditer(node.meta.get("stack_trace") or ""):
-            if (frame["file"] == code.co_filename and frame["func"] == code.co_name
-                    and int(frame["line"]) in lines):
-                return SourceLine(frame["file"], int(frame["line"]), frame["func"], frame["code"])
+        for frame in stack_frames(node.meta.get("stack_trace")):
+            if frame.file == code.co_filename and frame.function == code.co_name and frame.line in lines:
+                return frame
     return None
 
 
