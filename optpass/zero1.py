@@ -312,8 +312,8 @@ class ShardedOptimizer:
                 dtype = master_dtype if self.has_master(bucket) else p.dtype
                 self.shards[bucket.index] = torch.zeros(owned, dtype=dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
-        adopt_unsharded_state(self)          # eager steps, a plain checkpoint: this rank's rows of it
         self._stale_masters = {b.index for b in self.layout.buckets if b.index in self.shards}
+        adopt_unsharded_state(self)          # eager steps, a plain checkpoint: this rank's rows of it
         self.refresh_masters()
 
     @property

@@ -545,3 +545,51 @@ def resume_from_plain_state(rank: int, world: int, cases: list[dict]) -> list[di
         results.append({**case, "vs_single_process": rel_diff(model, train_single_process(case["optimizer"], world)),
                         "user_state_entries": len(opt.state)})
     return results
+
+
+def resume_master_weights_checkpoint(rank: int, world: int) -> dict:
+    """A bf16 run with master_weights and no zero1 saves opt.state_dict() (its fp32 masters and state
+    under one entry) after 3 steps; every rank loads it into a fresh model and optimizer and goes on
+    with zero1 (masters sharded, in backward). Against the same run uninterrupted (6 steps, one process
+    on the whole batches): the largest parameter difference, and how far the masters are."""
+    import copy
+
+    def data(i, part=None):
+        x, y = global_batch(i, world)
+        if part is not None:
+            x, y = local((x, y), rank, world)
+        return x.bfloat16(), y.bfloat16()
+
+    def compiled(model, opt, **options):
+        return torch.compile(make_step(model, opt), backend="optpass", options={
+            "optimizer": opt, "lower": "eager", "master_weights": torch.float32, **options})
+
+    torch._dynamo.reset()
+    whole = make_model().to(torch.bfloat16)
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=0.01)
+    step = compiled(whole, whole_opt)
+    for i in range(6):
+        step(*data(i))
+    torch._dynamo.reset()
+    first = make_model().to(torch.bfloat16)
+    first_opt = torch.optim.AdamW(first.parameters(), lr=0.01)
+    step = compiled(first, first_opt)
+    for i in range(3):
+        step(*data(i))
+    saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(first_opt.state_dict())
+    torch._dynamo.reset()
+    model = make_model().to(torch.bfloat16)
+    model.load_state_dict(saved_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt.load_state_dict(saved_opt)
+    step = compiled(model, opt, data_parallel="zero1", optimizer_in_backward=True, bucket_bytes=BUCKET_BYTES)
+    for i in range(3, 6):
+        step(*data(i, part=True))
+    masters = optpass.master_weights(whole_opt)
+    worst_master = 0.0
+    for index, pieces in optpass.zero1.sharded_state(opt).master_pieces().items():
+        reference = masters[list(whole.parameters())[index]].reshape(-1)
+        for start, stop, piece in pieces:
+            worst_master = max(worst_master, ((piece - reference[start:stop]).abs().max() / reference.abs().max()).item())
+    return {"params": max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), whole.parameters())),
+            "masters": worst_master, "user_state_entries": len(opt.state)}
