@@ -152,7 +152,7 @@ class MasterWeights:
         if saved is not None:
             self._load_entry(saved)
         for p, m, values in plain:
-            if _is_rounded(self.master_optimizer.state.get(m), values):
+            if is_rounded_copy(self.master_optimizer.state.get(m), values):
                 continue
             self.master_optimizer.state[m] = {k: _as_master_state(k, v, m) for k, v in values.items()}
             if m is not p:
@@ -184,7 +184,7 @@ def refuse_without_low_precision(params: list[torch.Tensor]) -> None:
             "building the optimizer over it (model.to(torch.bfloat16)), or drop master_weights.")
 
 
-def _is_rounded(master_state: dict | None, values: dict) -> bool:
+def is_rounded_copy(master_state: dict | None, values: dict) -> bool:
     """Whether ``values`` are ``master_state`` rounded to their dtypes, entry by entry."""
     if not master_state or master_state.keys() != values.keys():
         return False

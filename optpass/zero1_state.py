@@ -161,15 +161,12 @@ def _refuse_unequal_bucket(bucket, held: list[int], params: list[torch.Tensor], 
 
 def _is_rounded(made: dict, values: dict, param: torch.Tensor, segment) -> bool:
     """Whether this rank's rows of `values` are the shard's constructor state rounded to their dtype."""
+    from optpass.mixed_precision import is_rounded_copy
+
     if made.keys() != values.keys():
         return False
-    for key, value in values.items():
-        mine = made[key]
-        if _is_scalar_entry(key, value, param):
-            if _scalar(value) != _scalar(mine):
-                return False
-            continue
-        rows = value.reshape(-1)[segment.start:segment.stop]
-        if not torch.equal(mine[segment.offset:segment.offset + segment.numel].to(rows.dtype), rows):
-            return False
-    return True
+    scalars = {k for k, v in values.items() if _is_scalar_entry(k, v, param)}
+
+    def rows(entries: dict, start: int) -> dict:
+        return {k: v if k in scalars else v.reshape(-1)[start:start + segment.numel] for k, v in entries.items()}
+    return is_rounded_copy(rows(made, segment.offset), rows(values, segment.start))

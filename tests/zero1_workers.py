@@ -564,18 +564,18 @@ def resume_master_weights_checkpoint(rank: int, world: int) -> dict:
         return torch.compile(make_step(model, opt), backend="optpass", options={
             "optimizer": opt, "lower": "eager", "master_weights": torch.float32, **options})
 
-    torch._dynamo.reset()
-    whole = make_model().to(torch.bfloat16)
-    whole_opt = torch.optim.AdamW(whole.parameters(), lr=0.01)
-    step = compiled(whole, whole_opt)
-    for i in range(6):
-        step(*data(i))
-    torch._dynamo.reset()
-    first = make_model().to(torch.bfloat16)
-    first_opt = torch.optim.AdamW(first.parameters(), lr=0.01)
-    step = compiled(first, first_opt)
-    for i in range(3):
-        step(*data(i))
+    def from_scratch(steps: int):
+        """A run with master_weights (no zero1) on the whole batches: the model and its optimizer."""
+        torch._dynamo.reset()
+        model = make_model().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        step = compiled(model, opt)
+        for i in range(steps):
+            step(*data(i))
+        return model, opt
+
+    whole, whole_opt = from_scratch(6)
+    first, first_opt = from_scratch(3)
     saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(first_opt.state_dict())
     torch._dynamo.reset()
     model = make_model().to(torch.bfloat16)

@@ -167,7 +167,7 @@ def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str, op
             "a graph of its own, which every torch.optim optimizer makes by breaking the graph where its "
             "step() begins (its @torch.optim.optimizer._use_grad_for_differentiable); this optimizer's "
             f"step() has no such break. Add torch._dynamo.graph_break() as the first line of "
-            f"{cls}.step() ({inline.file}:{_first_line(optimizer)}; a no-op outside torch.compile), or "
+            f"{cls}.step() ({inline.file}:{_step_code(optimizer).co_firstlineno}; a no-op outside torch.compile), or "
             f"drop {feature}.")
     raise OptpassError(
         f"{feature} refused: the compiled step ends after backward() at "
@@ -181,7 +181,7 @@ def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str, op
 def _optimizer_step_traced_inline(captured: CapturedGraph, optimizer) -> SourceLine | None:
     """The user's line inside ``type(optimizer).step`` that a node of the step graph came from:
     Dynamo traced that step into the graph (a user-defined optimizer without torch.optim's break)."""
-    code = getattr(inspect.unwrap(type(optimizer).step), "__code__", None)   # under torch.optim's profiling wrapper
+    code = _step_code(optimizer)
     if code is None or code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep):
         return None
     lines = {line for _, _, line in code.co_lines() if line is not None}
@@ -192,8 +192,9 @@ def _optimizer_step_traced_inline(captured: CapturedGraph, optimizer) -> SourceL
     return None
 
 
-def _first_line(optimizer) -> int:
-    return inspect.unwrap(type(optimizer).step).__code__.co_firstlineno
+def _step_code(optimizer):
+    """The code of the optimizer class's own step(), under torch.optim's profiling wrapper."""
+    return getattr(inspect.unwrap(type(optimizer).step), "__code__", None)
 
 
 def ends_at_optimizer_step(captured: CapturedGraph) -> bool:
