@@ -47,7 +47,7 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
-    if runtime is None or captured.kind is GraphKind.OTHER:
+    if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     runtime.check(gm, captured, options)
     lower = functools.partial(_lower, captured=captured, options=options)

@@ -122,7 +122,8 @@ class _OptimizerRecordFunctionNote(logging.Filter):
 
 class GraphKind(str, enum.Enum):
     STEP = "step"          # forward + backward (+ gradient transforms)
-    FORWARD = "forward"    # forward only; backward() ran outside the graph
+    FORWARD = "forward"    # forward only; a graph break before backward() put it outside the graph
+    MODEL = "model"        # a forward with no backward() in the compiled code (a model compiled alone)
     UPDATE = "update"      # optimizer.step()
     OTHER = "other"
 
@@ -164,6 +165,10 @@ class CapturedGraph:
     # a break inside a function the compiled step calls (the model's forward, a library):
     # the step's own line that called into it; None when the break is in the step's own code
     split_caller: SourceLine | None = None
+    # a break after backward() that a returned tensor lived across, which made Dynamo break at
+    # backward() instead (Tensor.item(), print, ...): Dynamo's reason; None when there was none
+    # or it was torch.optim's own break (the step shape)
+    later_break: str | None = None
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -201,6 +206,15 @@ def module_path(source_name: str) -> str:
     return ".".join(parts) if parts else source_name
 
 
+def rooted_path(source_name: str) -> str:
+    """`G['model']._modules['0']._parameters['weight']` -> `model.0.weight` (the step's variable first)."""
+    root = _ROOT.match(source_name)
+    path = module_path(source_name)
+    if root is None or path == source_name:
+        return source_name
+    return f"{root.group(0)[3:-2]}.{path}"
+
+
 def _source_name(node: torch.fx.Node) -> str | None:
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
@@ -225,11 +239,13 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
     split = reason if reason is not None and reason.graph_break else None
     compile_id = str(gm.meta.get("dynamo_compile_id", "?"))
 
+    breaks = _graph_breaks_since_last_capture()
     common = dict(
         gm=gm, compile_id=compile_id,
         split_reason=_split_reason(split) if split else None,
         split_line=user_line_from_frames(split.user_stack) if split else None,
         split_caller=_calling_step_line(split) if split else None,
+        later_break=_later_break(split, breaks) if split else None,
     )
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
@@ -238,12 +254,56 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
     params = _parameters_of(placeholders)
     outputs_need_grad = any(
         isinstance(v, torch.Tensor) and v.requires_grad for v in _output_examples(nodes))
-    kind = GraphKind.FORWARD if params and outputs_need_grad else GraphKind.OTHER
+    kind = GraphKind.OTHER
+    if params and outputs_need_grad:
+        # ended by a graph break: backward() was in the compiled code and Dynamo left it out;
+        # ended by its return: a forward compiled alone (the model, an evaluation), nothing to warn of
+        kind = GraphKind.FORWARD if split else GraphKind.MODEL
     backward_line = common["split_line"] if kind is GraphKind.FORWARD else None
     return CapturedGraph(kind=kind, backward_line=backward_line, params=params, **common)
 
 
 OPTIMIZER_SPLIT = "optimizer.step()"
+_BREAKS_SEEN: dict[str, Any] = {}   # Dynamo's graph-break counter and its counts at the last capture
+_LEAKED_GRAD_FN = "autograd.grad consumed returned tensor's grad_fn"
+# torch.optim's own breaks (its step wrapper calls torch._dynamo.graph_break(); a parameter whose
+# .grad the same graph set is a pending mutation): the tutorial step shape, not a user's break
+_OPTIMIZER_BREAKS = ("Call to `torch._dynamo.graph_break()`", "pending mutation")
+
+
+def _graph_breaks_since_last_capture() -> list[str]:
+    """Dynamo's reasons for the graph breaks it met since the previous graph reached optpass.
+
+    Dynamo counts each break's reason (``counters['graph_break']``) as it traces; a frame whose
+    first trace broke after backward() with ``loss`` still alive is traced again with the break
+    moved to backward(), and both reasons are counted before the first graph reaches the backend."""
+    counter = torch._dynamo.utils.counters["graph_break"]
+    if _BREAKS_SEEN.get("counter") is not counter:      # someone cleared Dynamo's counters
+        _BREAKS_SEEN.clear()
+        _BREAKS_SEEN["counter"] = counter
+    seen = _BREAKS_SEEN.setdefault("counts", {})
+    new = [reason for reason, count in counter.items() if count > seen.get(reason, 0)]
+    seen.clear()
+    seen.update(counter)
+    return new
+
+
+def _later_break(split, breaks: list[str]) -> str | None:
+    """The break after backward() that made Dynamo move a break to backward(), if it was the user's."""
+    if not split.reason.startswith(_LEAKED_GRAD_FN):
+        return None
+    others = [b for b in breaks if not b.startswith(_LEAKED_GRAD_FN)]
+    if not others or any(marker in b for b in others for marker in _OPTIMIZER_BREAKS):
+        return None
+    return "; ".join(_first_lines(b) for b in others)
+
+
+def _first_lines(reason: str) -> str:
+    """Dynamo's reason in one line: its title, and its explanation where the title is generic."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines
+                        if line.startswith("Explanation:")), "")
+    return f"{lines[0]} ({explanation.rstrip('.')})" if explanation else lines[0]
 
 
 def _split_reason(split) -> str:
@@ -287,14 +347,27 @@ def is_existing_gradient(node: torch.fx.Node) -> bool:
 
 
 def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
+    """The graph's parameters, each named by a path unique among them (see ``unique_names``)."""
+    found = [(index, node, _example(node)) for index, node in enumerate(placeholders)
+             if isinstance(_example(node), torch.nn.Parameter)]
+    names = unique_names([_source_name(node) or node.name for _, node, _ in found])
     params = []
-    for index, node in enumerate(placeholders):
-        example = _example(node)
-        if isinstance(example, torch.nn.Parameter):
-            name = module_path(_source_name(node) or node.name)
-            _PARAM_NAMES[example] = name
-            params.append(Parameter(name, example, input_index=index))
+    for (index, _, example), name in zip(found, names):
+        _PARAM_NAMES[example] = name
+        params.append(Parameter(name, example, input_index=index))
     return params
+
+
+def unique_names(sources: list[str]) -> list[str]:
+    """Names for the parameters behind Dynamo sources, one per parameter: the module path
+    (``0.weight``, what ``model.named_parameters()`` calls it) where that path is unique among
+    them, else the path from the step's frame (``G.0.weight`` and ``D.0.weight`` for two models
+    whose layers share names), else the source itself. Every role (gradient, state, master,
+    shard) is keyed by this name, so two parameters must never share one."""
+    short = [module_path(s) for s in sources]
+    rooted = [rooted_path(s) for s in sources]
+    names = [n if short.count(n) == 1 else r for n, r in zip(short, rooted)]
+    return [n if names.count(n) == 1 else s for n, s in zip(names, sources)]
 
 
 def _output_examples(nodes: list[torch.fx.Node]) -> list[Any]:
@@ -345,6 +418,10 @@ def _capture_update(placeholders, gm, **common) -> CapturedGraph:
             params.append(Parameter(_PARAM_NAMES.get(value, node.target), value, attr=node.target))
         elif isinstance(value, torch.Tensor):
             state_attrs.append(node.target)
+    # names from step graphs are unique within each step graph; an optimizer may hold parameters
+    # that no single step graph named together: those keep their attribute names
+    taken = [p.name for p in params]
+    params = [p if taken.count(p.name) == 1 else dataclasses.replace(p, name=p.attr) for p in params]
     gradient_inputs, hyperparameters = {}, {}
     for index, node in enumerate(placeholders):
         source, example = _source_name(node) or "", _example(node)
@@ -366,7 +443,17 @@ def warn_backward_outside(captured: CapturedGraph) -> None:
     if key in _WARNED_LINES:
         return
     _WARNED_LINES.add(key)
-    warnings.warn(backward_outside_message(captured), BackwardOutsideGraphWarning, stacklevel=2)
+    warn_at_user_line(backward_outside_message(captured), BackwardOutsideGraphWarning, where)
+
+
+def warn_at_user_line(message: str, category: type[Warning], where: SourceLine | None = None) -> None:
+    """A warning attributed to the user's line (``where``, else the innermost user frame calling the
+    compiled step), not to the optpass line that raised it."""
+    where = where or user_line_from_frames(traceback.extract_stack())
+    if where is None:
+        warnings.warn(message, category, stacklevel=3)
+        return
+    warnings.warn_explicit(message, category, where.file, where.line, module=where.function)
 
 
 class RecompilingUpdateWarning(UserWarning):
@@ -389,14 +476,18 @@ def warn_if_update_recompiles(captured: CapturedGraph) -> None:
     if compiles < 3 or captured.hyperparameter_inputs or optimizer_key in _WARNED_UPDATES:
         return
     _WARNED_UPDATES.add(optimizer_key)
-    warnings.warn(
-        f"optpass: optimizer.step() is being compiled for the {compiles}th time, "
+    warn_at_user_line(
+        f"optpass: optimizer.step() is being compiled for the {compiles}{_ordinal_suffix(compiles)} time, "
         "with its hyper-parameters baked in as constants: a float lr that an LR "
         "scheduler changes makes every step recompile, and after torch._dynamo.config."
         "recompile_limit recompiles the optimizer silently runs eagerly. Fix: give the optimizer "
         "a tensor lr, e.g. torch.optim.SGD(model.parameters(), lr=torch.tensor(0.01)); schedulers "
         "update it in place and the update graph reads it as an input.",
-        RecompilingUpdateWarning, stacklevel=2)
+        RecompilingUpdateWarning)
+
+
+def _ordinal_suffix(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 class BackwardOutsideGraphWarning(UserWarning):
@@ -417,6 +508,15 @@ def backward_outside_message(captured: CapturedGraph) -> str:
             "outside the captured graph, so optpass cannot see or rewrite them. Fix: make that code "
             "compile (`torch._dynamo.explain(step)(*batch)` lists every break and its reason), or move "
             "the call out of the step.")
+    if captured.later_break is not None:
+        return (
+            f"optpass: the compiled step stops before backward(){where}: the step breaks the graph after "
+            f"backward(), because of: {captured.later_break}; `loss` is still alive there, so Dynamo moved "
+            "the break to backward(). backward() and what follows it (gradient clipping, the optimizer) then "
+            "run outside the captured graph, so optpass cannot see or rewrite them. Fix: keep that call out "
+            "of the compiled step: return the value as a tensor (`out = loss.detach()`) and call `.item()` "
+            "or print it after the step returns, e.g. "
+            f"`{SUPPORTED_SHAPE}` and `print(step(x, y).item())`.")
     if "GradScaler." in reason:
         return (
             f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "

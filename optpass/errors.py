@@ -14,6 +14,7 @@ import re
 import traceback
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -22,8 +23,21 @@ _OPTPASS_DIR = os.path.dirname(__file__)
 _OPTPASS_USER_FILES = {os.path.join(_OPTPASS_DIR, "demo.py")}
 
 
-class OptpassError(RuntimeError):
-    """optpass refused a program or an input; the message says why and what to do."""
+class OptpassError(ShortenTraceback):
+    """optpass refused a program or an input; the message says why and what to do.
+
+    A ``RuntimeError``. It derives from Dynamo's ``ShortenTraceback``, the one kind of exception
+    that Dynamo and Inductor let through from a backend unwrapped: raised while ``torch.compile``
+    compiles the step, it reaches the caller as itself (``except optpass.OptpassError`` catches
+    it), not as ``BackendCompilerFailed``. Dynamo appends its stack and bug-report footer to the
+    exception's ``args`` on the way out; the message stays optpass's own (``__str__``)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args, first_useful_frame=None)
+        self.message = str(args[0]) if args else ""
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclasses.dataclass(frozen=True)

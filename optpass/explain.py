@@ -27,6 +27,7 @@ _KIND_TEXT = {
     GraphKind.STEP: "forward + backward + gradient transforms",
     GraphKind.FORWARD: "forward only: backward() ran outside the compiled graph",
     GraphKind.UPDATE: "optimizer update",
+    GraphKind.MODEL: "forward only: no backward() in the compiled code (a model compiled alone)",
     GraphKind.OTHER: "other",
 }
 
@@ -70,8 +71,15 @@ def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs
         torch._dynamo.reset()
 
 
+def _sizes(*nbytes: int) -> list[str]:
+    """Byte counts that are read side by side, in one unit: the one that fits the largest."""
+    scale, unit = next(((s, u) for s, u in ((2**30, "GB"), (2**20, "MB"), (2**10, "KB"))
+                        if max(nbytes, default=0) >= 2 * s), (1, "B"))
+    return [f"{n} B" if scale == 1 else f"{n / scale:.2f} {unit}" for n in nbytes]
+
+
 def _mb(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MB" if nbytes >= 2**16 else f"{nbytes} B"
+    return _sizes(nbytes)[0]
 
 
 def _describe(index: int, g: GraphReport) -> list[str]:
@@ -104,8 +112,11 @@ def _describe(index: int, g: GraphReport) -> list[str]:
         before, after = d["memory_before"], d["memory_after"]
         grads_before = before["bytes_by_tag_at_peak"].get("gradient", 0)
         grads_after = after["bytes_by_tag_at_peak"].get("gradient", 0)
-        lines.append(f"    estimated peak memory: {_mb(before['peak_bytes'])} (gradients {_mb(grads_before)}) "
-                     f"before passes -> {_mb(after['peak_bytes'])} (gradients {_mb(grads_after)}) after")
-        top = ", ".join(f"{name} {_mb(size)}" for name, size, _ in after["largest_at_peak"][:3])
+        peak_before, grads_before, peak_after, grads_after = _sizes(
+            before["peak_bytes"], grads_before, after["peak_bytes"], grads_after)
+        lines.append(f"    estimated peak memory: {peak_before} (gradients {grads_before}) "
+                     f"before passes -> {peak_after} (gradients {grads_after}) after")
+        largest = after["largest_at_peak"][:3]
+        top = ", ".join(f"{name} {size}" for (name, _, _), size in zip(largest, _sizes(*(n for _, n, _ in largest))))
         lines.append(f"    largest live at the peak: {top}")
     return lines

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -162,8 +163,22 @@ def lower_inductor(gm, example_inputs, rewrite_fn, key: str, config_patches: dic
         # randn_like over 3.1M elements, 180 ms vs 33 ms); DP-SGD's noise makes that most of a
         # step. With aten's generator the stream is also eager PyTorch's for the same seed.
         patches["fallback_random"] = True
-    with random_ops_in_checkpoint_refused(), compiled_in_this_process():
+    with random_ops_in_checkpoint_refused(), compiled_in_this_process(), optpass_errors_unwrapped():
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+@contextlib.contextmanager
+def optpass_errors_unwrapped():
+    """A refusal raised by a pass inside Inductor reaches the user as the OptpassError it is.
+
+    Inductor lets an OptpassError through on most of its paths; the one that compiles without
+    its FX graph cache wraps every exception in an InductorError."""
+    try:
+        yield
+    except BackendCompilerFailed as error:
+        if isinstance(error.inner_exception, OptpassError):
+            raise error.inner_exception from None
+        raise
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ typo gets, and for the README's options table (``options_table()``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from optpass.errors import OptpassError
@@ -71,7 +72,9 @@ OPTIONS: tuple[Option, ...] = (
            "with the scale, gradients unscaled in fp32, the whole update skipped on inf/nan, the scale backed "
            "off or grown); the scale and growth tracker stay in the scaler"),
     Option("clip_grad_norm", (type(None), float, int), None,
-           "exact global-norm clipping to this max norm, for a fused update: with optimizer_in_backward one "
+           "exact global-norm clipping to this max norm, for a fused update (it needs optimizer_in_backward, "
+           "data_parallel, master_weights or grad_scaler; without them call clip_grad_norm_ in the step): "
+           "with optimizer_in_backward one "
            "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
            "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order)"),
     Option("data_parallel", (type(None), str), None,
@@ -139,7 +142,8 @@ class Options:
         for key, value in user.items():
             option = _BY_NAME.get(key)
             if option is None:
-                raise OptpassError(f"unknown optpass option {key!r}.\n{options_help()}")
+                raise OptpassError(f"unknown optpass option {key!r}{did_you_mean(key, _BY_NAME)} The options "
+                                   f"are: {', '.join(_BY_NAME)} (what each does: optpass.options.options_help()).")
             _check_type(option, value)
             if isinstance(value, list):
                 value = tuple(value)
@@ -164,12 +168,12 @@ def _check_type(option: Option, value: Any) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
         raise OptpassError(
-            f"optpass option {option.name!r} must be {expected}, got {type(value).__name__} {value!r}.\n"
-            f"{options_help()}")
+            f"optpass option {option.name!r} must be {expected}, got {type(value).__name__} {value!r}. "
+            f"{option.name}: {option.help} (default {option.default!r}).")
     if option.choices is not None and value not in option.choices:
         raise OptpassError(
             f"optpass option {option.name!r} must be one of {', '.join(map(repr, option.choices))}, "
-            f"got {value!r}.\n{options_help()}")
+            f"got {value!r}{did_you_mean(value, option.choices)}")
     if option.name in ("passes", "disable_passes") and value is not None:
         if not all(isinstance(v, str) for v in value):
             raise OptpassError(f"optpass option {option.name!r} must list pass names (str), got {value!r}")
@@ -205,7 +209,8 @@ def _check_combinations(options: Options) -> None:
 
         if options.collectives not in ("auto", *PLANS):
             raise OptpassError(f"optpass option 'collectives' must be one of "
-                               f"{', '.join(map(repr, ('auto', *PLANS)))}, got {options.collectives!r}")
+                               f"{', '.join(map(repr, ('auto', *PLANS)))}, got {options.collectives!r}"
+                               f"{did_you_mean(options.collectives, ('auto', *PLANS))}")
         _require_pass(options, "shard_optimizer", "data_parallel='zero1'")
     if options.master_weights is not None:
         _check_master_weights(options)
@@ -265,7 +270,15 @@ def _check_pass_names(options: Options) -> None:
     known = [p.name for p in PASSES]
     for name in (options.passes or ()) + tuple(options.disable_passes):
         if name not in known:
-            raise OptpassError(f"unknown optpass pass {name!r}; the passes are: {', '.join(known)}")
+            raise OptpassError(f"unknown optpass pass {name!r}{did_you_mean(name, known)} The passes are: "
+                               f"{', '.join(known)}.")
+
+
+def did_you_mean(given: Any, known) -> str:
+    """``; did you mean 'x'?`` for the closest known name, or ``.`` when none is close."""
+    names = [k for k in known if isinstance(k, str)]
+    close = difflib.get_close_matches(given, names, n=1) if isinstance(given, str) else []
+    return f"; did you mean {close[0]!r}?" if close else "."
 
 
 def options_help() -> str:

@@ -34,7 +34,7 @@ def test_demo_trains_both_variants_alike_and_shows_memory_and_the_fused_step():
     # optpass.explain of B's step: legal, applied, gradients gone from the estimate
     assert "optpass.explain(train_step" in out and "[graph 0] step" in out
     assert "legality: optimizer_in_backward is legal" in out and "pass optimizer_in_backward: applied" in out
-    assert re.search(r"estimated peak memory: .* \(gradients [\d.]+ MB\) before passes -> .* \(gradients 0 B\) after",
+    assert re.search(r"estimated peak memory: .* \(gradients [\d.]+ MB\) before passes -> .* \(gradients 0.00 MB\) after",
                      out), out
 
     # no warnings: Python's, optpass's, or torch's logging (glog-style "W1122 12:34:56...")

@@ -65,10 +65,10 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,)),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
     GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,
-              applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.OTHER)),
+              applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.MODEL, GraphKind.OTHER)),
     # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
     GraphPass("eliminate_dead_code", eliminate_dead_code.run,
-              applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.OTHER)),
+              applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.MODEL, GraphKind.OTHER)),
 )
 
 
@@ -109,7 +109,7 @@ def run_pipeline(step, options) -> list[PassOutcome]:
     for graph_pass in selected_passes(options):
         if step.kind not in graph_pass.applies_to:
             outcomes.append(PassOutcome(graph_pass.name, "skipped",
-                                        f"does not apply to a {step.kind.value} graph", 0, 0))
+                                        f"does not apply to {_an(step.kind.value)} graph", 0, 0))
             continue
         before = count_ops(step.graph)
         _trace_graph(f"optpass_before_{graph_pass.name}", step.graph)
@@ -134,3 +134,7 @@ def _trace_graph(name: str, graph: torch.fx.Graph) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "string"},
         payload_fn=lambda: graph.python_code("self").src,
     )
+
+
+def _an(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"

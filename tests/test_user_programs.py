@@ -1,0 +1,253 @@
+"""Programs a new user writes first, each compared with plain eager PyTorch on the same seed.
+
+Each test is a small program as a user writes it with the README open: two models in one step,
+a step that logs its loss, the model compiled alone, catching optpass's errors, a typo. Where
+optpass refuses, the test reads the error as the user does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import optpass
+from optpass.capture import _ordinal_suffix
+
+OPTPASS_DIR = os.path.dirname(optpass.__file__)
+
+
+def make_gan_generator_step(G, D, opt):
+    def generator_step(z):
+        loss = D(G(z)).sum(1).pow(2).mean()
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return generator_step
+
+
+def two_models(hidden_of_d: int):
+    """G and D are both Sequential(Linear, act, Linear): their parameters share the names 0.weight, ..."""
+    G = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    D = nn.Sequential(nn.Linear(16, hidden_of_d), nn.Tanh(), nn.Linear(hidden_of_d, 1))
+    return G, D
+
+
+@pytest.mark.parametrize("lower,hidden_of_d", [("eager", 16), ("eager", 24), ("inductor", 16)])
+def test_two_models_whose_parameters_share_names_train_as_eager(lower, hidden_of_d):
+    """A GAN's generator step: G is in the optimizer, D is not and accumulates .grad as in eager.
+    Parameters were matched by their name within their module (both G's and D's are '0.weight'):
+    G ended 0.0089 away (same shapes) or crashed (D's other shapes)."""
+    G, D = two_models(hidden_of_d)
+    G_ref, D_ref = copy.deepcopy(G), copy.deepcopy(D)
+    opt = torch.optim.SGD(G.parameters(), lr=torch.tensor(0.05), momentum=0.9)
+    opt_ref = torch.optim.SGD(G_ref.parameters(), lr=torch.tensor(0.05), momentum=0.9)
+    step = torch.compile(make_gan_generator_step(G, D, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": lower})
+    eager = make_gan_generator_step(G_ref, D_ref, opt_ref)
+    for i in range(4):
+        z = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(step(z), eager(z), rtol=1e-5, atol=1e-6)
+    for p, q in zip(G.parameters(), G_ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert p.grad is None and q.grad is None
+    for p, q in zip(D.parameters(), D_ref.parameters()):       # D's gradients add up over the 4 steps
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_explain_names_each_models_parameters_by_its_own_path():
+    G, D = two_models(16)
+    opt = torch.optim.SGD(G.parameters(), lr=0.05)
+    report = optpass.explain(make_gan_generator_step(G, D, opt), torch.randn(8, 16),
+                             options={"optimizer": opt, "optimizer_in_backward": True})
+    step = report.of_kind(optpass.GraphKind.STEP)[0].to_dict()
+    assert step["parameters"] == ["G.0.weight", "G.0.bias", "G.2.weight", "G.2.bias",
+                                  "D.0.weight", "D.0.bias", "D.2.weight", "D.2.bias"]
+    assert len(step["gradients"]) == 8
+
+
+def test_a_single_models_parameters_keep_their_module_names():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    report = optpass.explain(train_step, torch.randn(3, 4), options={"optimizer": opt})
+    assert report.of_kind(optpass.GraphKind.STEP)[0].to_dict()["parameters"] == [
+        "0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def mlp_and_adamw():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+
+
+def step_that_reads_the_loss_with_item(model, opt):
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        out = loss.item()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def step_that_prints_the_loss(model, opt):
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        print("loss", loss)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def batch(i=0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+@pytest.mark.parametrize("make_step,cause", [
+    (step_that_reads_the_loss_with_item, r"Tensor\.item\(\)"),
+    (step_that_prints_the_loss, r"builtin operator `print`"),
+])
+def test_a_break_after_backward_is_named_as_the_cause(make_step, cause, capsys):
+    """`.item()` (or print) after backward() keeps `loss` alive across a graph break, so Dynamo
+    moves the break to backward(): the refusal names that call, not the step shape's usual cause."""
+    model, opt = mlp_and_adamw()
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+    with pytest.raises(optpass.OptpassError, match=cause) as info:
+        step(*batch())
+    message = str(info.value)
+    assert "reading `loss` after opt.step()" not in message
+    assert "test_user_programs.py" in message and "call `.item()` or print it after the step returns" in message
+
+
+def test_the_warning_for_a_break_after_backward_names_the_call_and_points_at_the_users_line():
+    model, opt = mlp_and_adamw()
+    model_ref, opt_ref = copy.deepcopy(model), copy.deepcopy(opt)
+    opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=torch.tensor(1e-2))
+
+    def train_step(x, y):          # optpass warns once per line: this step's own
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        out = loss.item()
+        opt.step()
+        opt.zero_grad()
+        return out
+    step = torch.compile(train_step, backend="optpass")
+    with pytest.warns(optpass.BackwardOutsideGraphWarning, match=r"Tensor\.item\(\)") as record:
+        losses = [step(*batch(i)) for i in range(3)]
+    assert all(os.path.basename(w.filename) == "test_user_programs.py" for w in record), \
+        [(w.filename, w.lineno) for w in record]
+    eager = step_that_reads_the_loss_with_item(model_ref, opt_ref)
+    assert losses == pytest.approx([eager(*batch(i)) for i in range(3)], rel=1e-5)
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_compiling_the_model_alone_warns_of_nothing(lower):
+    """People try any backend on the model first: a forward with no backward() in it is no
+    broken step. No optpass warning; the results equal Inductor's, training eagerly around it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="optpass", options={"lower": lower})
+    reference = torch.compile(model_ref, backend="inductor")
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, model_ref))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x, y = batch(i)
+            for m, o in ((compiled, opt), (reference, opt_ref)):
+                loss = F.cross_entropy(m(x), y)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+        with torch.no_grad():                                       # an evaluation in between
+            torch.testing.assert_close(compiled(x), reference(x))
+    ours = [w for w in record if issubclass(w.category, (optpass.BackwardOutsideGraphWarning,
+                                                         optpass.RecompilingUpdateWarning))
+            or w.filename.startswith(OPTPASS_DIR)]
+    assert ours == [], [str(w.message)[:200] for w in ours]
+    for p, q in zip(model.parameters(), model_ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_every_refusal_is_caught_as_optpass_error_with_optpass_message_only(lower):
+    """Dynamo wraps a backend's errors in BackendCompilerFailed; optpass's come through as themselves."""
+    model, opt = mlp_and_adamw()
+
+    def clipped_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    step = torch.compile(clipped_step, backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": lower})
+    try:
+        step(*batch())
+    except optpass.OptpassError as error:
+        message = str(error)
+        assert isinstance(error, RuntimeError)
+    else:
+        pytest.fail("clip_grad_norm_ in the step with optimizer_in_backward was not refused")
+    assert message.startswith("optimizer_in_backward refused: the gradient of ")
+    assert "TORCHDYNAMO_VERBOSE" not in message and "from user code" not in message
+    before = [p.detach().clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    with pytest.raises(optpass.OptpassError, match="did you mean 'optimizer_in_backward'"):
+        torch.compile(clipped_step, backend="optpass", options={"optimizer_in_backwards": True})(*batch())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # nothing ran
+
+
+def test_an_option_typo_says_did_you_mean_without_the_whole_table():
+    with pytest.raises(optpass.OptpassError) as info:
+        optpass.options.Options.from_user({"lower": "inducter"})
+    assert str(info.value) == ("optpass option 'lower' must be one of 'inductor', 'eager', got 'inducter'; "
+                               "did you mean 'inductor'?")
+
+
+def test_clip_grad_norm_alone_is_refused_and_the_table_says_what_it_needs():
+    with pytest.raises(optpass.OptpassError, match="without them call torch.nn.utils.clip_grad_norm_"):
+        optpass.options.Options.from_user({"clip_grad_norm": 1.0})
+    assert "it needs optimizer_in_backward, data_parallel, master_weights or grad_scaler" in \
+        optpass.options.options_table()
+
+
+def test_ordinals_and_articles_in_messages():
+    assert [f"{n}{_ordinal_suffix(n)}" for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 103)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "103rd"]
+    model, opt = mlp_and_adamw()
+
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    text = str(optpass.explain(train_step, *batch(), options={"optimizer": opt}))
+    assert "does not apply to an update graph" in text and "a update" not in text
+    for line in text.splitlines():
+        if "estimated peak memory" in line:     # one unit per line
+            assert len({word for word in line.replace(")", " ").split() if word in ("B", "KB", "MB")}) == 1, line
