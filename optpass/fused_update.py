@@ -456,7 +456,8 @@ class MasterWeightsStep(OptimizerInBackwardStep):
     over fp32 masters): the ``master_weights`` pass casts each bf16/fp16 gradient
     to fp32, runs torch.optim's harvested update on the master, and copies the
     rounded master into the parameter, inside backward (optimizer_in_backward) or
-    after it. The masters are extra inputs of the fused graph, like the state.
+    after it. The masters are extra inputs of the fused graph, like the state; only
+    the parameters the step updates have them (made when a step first updates them).
     """
 
     feature = "master_weights"
@@ -482,7 +483,8 @@ class MasterWeightsStep(OptimizerInBackwardStep):
         return super()._compile_fused(args)
 
     def _update_source(self):
-        master_of = self.masters.master_of()
+        # a parameter this step updates for the first time gets its master now (none for the others)
+        master_of = self.masters.masters_for(self.fused.values())
         return self.masters.master_optimizer, {name: master_of[id(p)] for name, p in self.fused.items()}
 
     def _separate_params(self, names):
