@@ -268,3 +268,46 @@ def test_a_lora_checkpoint_holds_the_adapters_masters_and_resumes_exactly():
     assert len(theirs) == len(mine) == 4
     assert all(torch.equal(m, n) for m, n in zip(theirs.values(), mine.values()))
 
+
+def zero1_lora(rank: int, world: int) -> dict:
+    """A rank of data_parallel='zero1' with masters on the LoRA model: 2 steps, then the user unfreezes
+    the last layer's base weight and steps again."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = lora_model()
+    opt = adamw(model.parameters())
+    step = torch.compile(make_step(model, opt, lora_loss), backend="optpass", options={
+        "lower": "eager", "optimizer": opt, "master_weights": torch.float32, "data_parallel": "zero1",
+        "optimizer_in_backward": True})
+    for i in range(2):
+        x, y = mlp_data(10 * i + rank, torch.bfloat16)
+        step(x, y)
+    sharded = optpass.zero1.sharded_state(opt)
+    result = {"master_bytes": sharded.master_bytes(), "state_bytes": sharded.state_bytes(),
+              "sharded": len(sharded.params)}
+    model[2].base.weight.requires_grad_(True)
+    try:
+        step(*mlp_data(20 + rank, torch.bfloat16))
+        result["unfrozen"] = "trained"
+    except Exception as error:       # noqa: BLE001  (Dynamo wraps the backend's OptpassError)
+        result["unfrozen"] = str(error)
+    return result
+
+
+def test_zero1_shards_the_adapters_masters_only_and_refuses_a_parameter_unfrozen_later():
+    """ZeRO-1 buckets the parameters that require grad when it shards the optimizer: the frozen base
+    has no master shard and no state. A parameter unfrozen after that cannot join the buckets: the
+    step refuses it (its gradient was dropped, and the weight never trained, before)."""
+    from distributed import run_ranks, values
+
+    results = values(run_ranks(2, zero1_lora))
+    model = lora_model()
+    trainable = sum(p.numel() for p in adapters(model))
+    assert [r["sharded"] for r in results] == [4, 4]
+    assert sum(r["master_bytes"] for r in results) == 4 * trainable        # one fp32 copy of the adapters, split
+    # AdamW: exp_avg and exp_avg_sq of the adapters' elements, split, and a step per bucket
+    assert 8 * trainable <= sum(r["state_bytes"] for r in results) <= 8 * trainable + 64
+    for r in results:
+        assert "did not require grad when the optimizer was sharded" in r["unfrozen"], r["unfrozen"]
+        assert "2.base.weight" in r["unfrozen"], r["unfrozen"]
