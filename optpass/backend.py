@@ -21,7 +21,7 @@ from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, Sc
                                   refuse_update_during_accumulation, shard_the_optimizer)
 from optpass.passes.legality import (check_grad_scaler, check_master_weights, check_optimizer_in_backward,
                                      check_zero1, ends_at_optimizer_step)
-from optpass.mixed_precision import master_state
+from optpass.mixed_precision import master_state, refuse_without_low_precision
 from optpass.options import Options
 from optpass.report import GraphReport, record
 
@@ -66,6 +66,7 @@ def _check_zero1(gm, captured, options) -> None:
     check_zero1(captured, options)
     if options.master_weights is not None:
         check_master_weights(captured, options)
+        refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
     if captured.kind is GraphKind.STEP:
@@ -77,12 +78,22 @@ def _check_master_weights(gm, captured, options) -> None:
     check_master_weights(captured, options)
     if options.grad_scaler is not None:
         check_grad_scaler(captured, options)
-    # made now (not at the first fused step): it refuses an optimizer with no bf16/fp16 parameter,
-    # and guards opt.step() against running outside the compiled step, after a micro-step too
+    refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
+    # made now (not at the first fused step; the masters are made as steps first update their
+    # parameters): it guards opt.step() against running outside the compiled step, after a
+    # micro-step too
     master_state(options.optimizer, options.master_weights)
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
         refuse_update_during_accumulation(captured, options)
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _step_params(captured) -> list:
+    return [p.tensor for p in captured.params if p.tensor is not None]
 
 
 def _check_fused_update(gm, captured, options) -> None:
@@ -170,6 +181,7 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_master_weights(captured, options)
+            refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
             if options.data_parallel is None:     # zero1 keeps its masters sharded, made by its step
                 master_state(options.optimizer, options.master_weights)
             verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "

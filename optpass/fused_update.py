@@ -378,6 +378,16 @@ class ShardedStep(OptimizerInBackwardStep):
         self.sharded = shard_the_optimizer(gm, captured, options)
         super().__init__(gm, captured, options, plain, compile_fn)
         self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
+        sharded_ids = {id(p) for _, p in self.sharded.params}
+        unsharded = [name for name, p in self.fused.items() if id(p) not in sharded_ids]
+        if unsharded:
+            raise OptpassError(
+                f"data_parallel='zero1': parameter(s) {', '.join(unsharded[:3])} get gradients in this step "
+                "but did not require grad when the optimizer was sharded (at its first compiled step: "
+                "unfrozen since?). ZeRO-1 buckets and shards the parameters that require grad then, and "
+                "cannot add one later: its gradient would be dropped. Set requires_grad on every parameter "
+                "to train before the first step, or build a new optimizer (and compile the step with it) "
+                "after unfreezing.")
         missing = [f"#{i}" if name is None else name for i, name in self.names.items()
                    if name not in self.fused]
         if missing:
@@ -456,7 +466,8 @@ class MasterWeightsStep(OptimizerInBackwardStep):
     over fp32 masters): the ``master_weights`` pass casts each bf16/fp16 gradient
     to fp32, runs torch.optim's harvested update on the master, and copies the
     rounded master into the parameter, inside backward (optimizer_in_backward) or
-    after it. The masters are extra inputs of the fused graph, like the state.
+    after it. The masters are extra inputs of the fused graph, like the state; only
+    the parameters the step updates have them (made when a step first updates them).
     """
 
     feature = "master_weights"
@@ -482,7 +493,8 @@ class MasterWeightsStep(OptimizerInBackwardStep):
         return super()._compile_fused(args)
 
     def _update_source(self):
-        master_of = self.masters.master_of()
+        # a parameter this step updates for the first time gets its master now (none for the others)
+        master_of = self.masters.masters_for(self.fused.values())
         return self.masters.master_optimizer, {name: master_of[id(p)] for name, p in self.fused.items()}
 
     def _separate_params(self, names):

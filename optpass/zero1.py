@@ -62,8 +62,7 @@ import torch.distributed as dist
 
 from optpass.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
-from optpass.mixed_precision import (LOW_PRECISION, refuse_step_outside_the_compiled_step,
-                                     refuse_without_low_precision)
+from optpass.mixed_precision import LOW_PRECISION, refuse_step_outside_the_compiled_step
 from optpass.zero1_state import adopt_unsharded_state, state_summary
 
 PARTITIONS = ("even", "greedy")
@@ -300,8 +299,6 @@ class ShardedOptimizer:
         self.params = trainable_params(optimizer)
         if not self.params:
             raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
-        if master_dtype is not None:
-            refuse_without_low_precision([p for _, p in self.params])
         self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype, order)
         # One flat shard per bucket this rank owns elements of, named like a parameter.
         self.shards: dict[int, torch.Tensor] = {}
