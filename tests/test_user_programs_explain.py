@@ -1,15 +1,19 @@
-"""Programs a new user writes around optpass.explain, each compared with eager PyTorch (or, where
-optpass's numerics are its own, with the same compiled run without the explain call).
+"""Programs a new user writes around optpass.explain and accumulation_steps, each compared with eager
+PyTorch (or, where optpass's numerics are its own, with the same compiled run without the explain call).
 
 * explain before training changes nothing: parameters, gradients, opt.state_dict(), the RNG, and so the
   training that follows, for SGD with dampening, AdamW, Adagrad (state made by its constructor), with
-  fp32 master weights (bf16 model) and with a GradScaler, fused or not (and zero1's legality check).
+  fp32 master weights (bf16 model) and with a GradScaler, fused or not (and zero1's legality check);
+* accumulation windows follow what the user does: an epoch of 6 micro-batches with K=4, the end-of-epoch
+  flush of the partial window (opt.step(); opt.zero_grad()), zero_grad(set_to_none=False), a flush
+  without zero_grad, and a partial window cleared without a step.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import pytest
 import torch
@@ -258,3 +262,151 @@ def test_explain_says_so_when_code_outside_the_graphs_writes_a_parameter():
 
     with pytest.raises(optpass.OptpassError, match=r"wrote 1 tensor\(s\) in place \(a parameter \(32, 16\)\)"):
         optpass.explain(train_step, *batch(0))
+
+
+# ------------------------------------------------------------------ accumulation windows
+
+K, BATCHES_PER_EPOCH, EPOCHS = 4, 6, 3
+
+
+def epoch_batches(epoch):
+    return [batch(epoch * BATCHES_PER_EPOCH + i, torch.float64) for i in range(BATCHES_PER_EPOCH)]
+
+
+def loss_of(model, x, y):
+    return F.mse_loss(model(x), y) / K
+
+
+def train_eager(model, opt, end_of_epoch):
+    """The usual eager loop: step every K micro-batches, then `end_of_epoch` for the partial window."""
+    after_epochs = []
+    for epoch in range(EPOCHS):
+        for i, (x, y) in enumerate(epoch_batches(epoch)):
+            loss_of(model, x, y).backward()
+            if (i + 1) % K == 0:
+                opt.step()
+                opt.zero_grad()
+        end_of_epoch(opt)
+        after_epochs.append([p.detach().clone() for p in model.parameters()])
+    return after_epochs
+
+
+def train_compiled(model, opt, end_of_epoch, lower="eager"):
+    """The same loop with optpass: the micro-step is compiled, the update fires at each K-th call."""
+    def micro_step(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss.detach()
+
+    step = torch.compile(micro_step, backend="optpass", options={
+        "lower": lower, "optimizer": opt, "optimizer_in_backward": True, "accumulation_steps": K})
+    after_epochs = []
+    for epoch in range(EPOCHS):
+        for x, y in epoch_batches(epoch):
+            step(x, y)
+        end_of_epoch(opt)
+        after_epochs.append([p.detach().clone() for p in model.parameters()])
+    return after_epochs
+
+
+def flush(opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def flush_to_zeros(opt):
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def flush_keeping_grads(opt):
+    opt.step()          # no zero_grad: the next epoch's first window adds to these gradients (as eager)
+
+
+def drop(opt):
+    opt.zero_grad()     # the partial window's gradients are dropped, no update
+
+
+def drop_to_zeros(opt):
+    opt.zero_grad(set_to_none=False)
+
+
+ACCUMULATION_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.5),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+}
+
+
+def compare_epochs(name, end_of_epoch, lower="eager"):
+    eager_model, model = make_model(torch.float64), make_model(torch.float64)
+    expected = train_eager(eager_model, ACCUMULATION_OPTIMIZERS[name](eager_model.parameters()), end_of_epoch)
+    got = train_compiled(model, ACCUMULATION_OPTIMIZERS[name](model.parameters()), end_of_epoch, lower)
+    for epoch, (a, b) in enumerate(zip(got, expected)):
+        worst = max((p - q).abs().max().item() for p, q in zip(a, b))
+        # SGD to rounding; AdamW's compiled update reads its float32 `step` in another formula (~1e-7)
+        assert worst <= (1e-12 if name == "sgd" else 1e-6), f"epoch {epoch + 1}: {worst}"
+
+
+@pytest.mark.parametrize("end_of_epoch", [flush, flush_to_zeros, flush_keeping_grads],
+                         ids=["flush", "flush_set_to_none_False", "flush_without_zero_grad"])
+@pytest.mark.parametrize("name", list(ACCUMULATION_OPTIMIZERS))
+def test_an_epoch_with_a_partial_window_and_a_flush_matches_eager(name, end_of_epoch):
+    """K=4, 6 micro-batches an epoch, the leftover 2 applied by an eager opt.step() at the end of the
+    epoch: every epoch's windows start at its first micro-batch. optpass counted micro-steps per
+    optimizer for the whole run, so epoch 2's update fired after its 2nd micro-batch (SGD lr 0.5:
+    4.6e-2 from eager after 3 epochs)."""
+    compare_epochs(name, end_of_epoch)
+
+
+def test_the_flush_matches_eager_under_inductor():
+    compare_epochs("sgd", flush, lower="inductor")
+
+
+@pytest.mark.parametrize("end_of_epoch", [drop, drop_to_zeros], ids=["zero_grad", "set_to_none_False"])
+def test_clearing_a_partial_window_drops_it_with_a_warning(end_of_epoch):
+    """Clearing .grad mid-window (no opt.step()) drops those micro-steps, as eager's zero_grad does, and
+    the next call starts a window; optpass warns once, since clearing at every micro-step (eager habit)
+    would never reach an update."""
+    with pytest.warns(UserWarning, match="cleared before the update that ends their window") as record:
+        compare_epochs("sgd", end_of_epoch)
+    dropped = [w for w in record if "cleared before the update" in str(w.message)]
+    assert len(dropped) == 1
+    assert dropped[0].filename == __file__      # the user's line, not optpass's
+
+
+def test_a_flush_warns_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compare_epochs("sgd", flush)
+
+
+def test_master_weights_windows_restart_where_the_user_clears():
+    """master_weights (bf16 model): an eager opt.step() is refused (it would bypass the masters), so a
+    partial window is dropped with opt.zero_grad(): the run equals the same run that never fed the
+    dropped micro-batches."""
+    runs = []
+    for feed_leftovers in (True, False):
+        model = make_model(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def micro_step(x, y):
+            loss = F.mse_loss(model(x), y) / K
+            loss.backward()
+            return loss.detach()
+
+        step = torch.compile(micro_step, backend="optpass", options={
+            "lower": "eager", "optimizer": opt, "optimizer_in_backward": True, "accumulation_steps": K,
+            "master_weights": torch.float32})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)          # the dropped window's warning
+            for epoch in range(EPOCHS):
+                batches = [batch(epoch * BATCHES_PER_EPOCH + i, torch.bfloat16) for i in range(BATCHES_PER_EPOCH)]
+                for x, y in batches if feed_leftovers else batches[:K]:
+                    step(x, y)
+                if feed_leftovers and epoch == 0:
+                    with pytest.raises(optpass.OptpassError, match="bypass|masters"):
+                        opt.step()
+                opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        torch._dynamo.reset()
+    assert same(runs[0], runs[1])
