@@ -5,10 +5,21 @@
     report.to_dict()         # for tests and tools
 
 The step is compiled with optpass's capture and pass pipeline, traced to aten
-and analysed, but nothing it computes runs: every compiled graph returns zeros,
-so parameters and optimizer values are left as they were (the optimizer's
-state tensors may be created, as the first real step would). Like
-``torch._dynamo.explain`` it resets Dynamo's caches before and after.
+and analysed, but nothing it computes runs: every compiled graph returns zeros.
+Like ``torch._dynamo.explain`` it resets Dynamo's caches before and after.
+
+explain leaves the process as it found it: parameters (values, ``.grad``, None
+staying None), every optimizer's ``state`` (no new entries or keys, tensors
+unwritten), ``param_groups``, hooks and attributes, LR schedulers and
+GradScalers, optpass's own records (fp32 masters, ZeRO-1 shards, accumulation
+windows, skip counters) and the random number generators. Some of that is
+written while the step is traced and cannot be prevented from outside Dynamo
+(Dynamo stores the dry graphs' zeros where the step assigns them, e.g. SGD's
+first momentum buffer, and runs torch.optim's ``_init_group`` for real), so it
+is recorded before and put back after, completely and exactly: the same dict,
+list and tensor objects, nothing copied but 0-d tensors (``untouched.py``).
+The Python of the step itself runs as Python does (a ``print`` prints; an
+attribute your own code sets is set).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import torch
 from optpass.capture import GraphKind, backward_outside_message
 from optpass.options import Options
 from optpass.report import GraphReport, clear_reports, keep_graphs, recent_reports
+from optpass.untouched import Untouched
 
 _KIND_TEXT = {
     GraphKind.STEP: "forward + backward + gradient transforms",
@@ -60,15 +72,17 @@ def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs
     from optpass.backend import explaining_backend
 
     Options.from_user(dict(options) if options else None)  # a bad option fails here, not mid-trace
+    untouched = Untouched()
     torch._dynamo.reset()
     clear_reports()
     backend = functools.partial(explaining_backend, options=dict(options) if options else None)
     try:
         with keep_graphs():
             torch.compile(step_fn, backend=backend)(*args, **kwargs)
-        return Explanation(recent_reports())
     finally:
         torch._dynamo.reset()
+        untouched.restore()         # what the trace wrote, back as it was (also after a refusal)
+    return Explanation(recent_reports())
 
 
 def _sizes(*nbytes: int) -> list[str]:

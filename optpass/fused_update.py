@@ -1,8 +1,14 @@
 """The step callable that runs the optimizer inside backward (options optimizer_in_backward).
 
 Dynamo calls this object in place of the step graph. Each call is one
-micro-step; with ``accumulation_steps=K`` calls 1..K-1 run the plain graph
-(gradients accumulate into ``.grad``) and call K runs the fused graph.
+micro-step; with ``accumulation_steps=K`` micro-steps 1..K-1 of a window run
+the plain graph (gradients accumulate into ``.grad``) and micro-step K runs the
+fused graph. A window follows what the user does with the gradients: it starts
+at the first call after the fused parameters' ``.grad`` were cleared (all None,
+as the fused step and ``opt.zero_grad()`` leave them, or all zeroed by
+``opt.zero_grad(set_to_none=False)``) or after an ``opt.step()`` the user took
+outside the compiled step (the end-of-epoch flush); ``.grad`` the user left in
+place is part of the window (``_Session``).
 
 Every update is fused, the first one included: the update is harvested from
 torch.optim (``harvest.py``) for the optimizer's state *as it is now*, the step
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Any, Callable
 from weakref import WeakKeyDictionary
 
@@ -55,13 +62,48 @@ from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 
-# Per optimizer: micro-steps seen (shared by the step's graphs: accumulation compiles two).
+# Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 @dataclasses.dataclass
 class _Session:
-    micro_steps: int = 0
+    """Where an optimizer's accumulation window stands (accumulation_steps > 1), made at the first
+    micro-step. ``left``: each fused parameter's ``.grad`` as the last micro-step left it (a weak
+    reference and its version), so the next one can tell whether the user cleared or changed it."""
+
+    micro_steps: int = 0              # micro-steps in the current window
+    left: dict = dataclasses.field(default_factory=dict)   # id(parameter) -> (weakref to .grad, version)
+    stepped: bool = False             # the user called opt.step() since the last micro-step
+    warned: bool = False              # a partial window's gradients were cleared (warned once)
+
+
+def _session(optimizer: torch.optim.Optimizer) -> _Session:
+    session = _SESSIONS.get(optimizer)
+    if session is None:
+        session = _SESSIONS[optimizer] = _Session()
+        optimizer.register_step_post_hook(_note_user_step)
+    return session
+
+
+def _note_user_step(optimizer, args, kwargs) -> None:
+    """An opt.step() the user took (the flush of a partial window) ends the window. A step traced by
+    Dynamo (the harvest, a compiled step) is not the user's: nothing is noted, nothing is traced."""
+    if torch.compiler.is_compiling():
+        return
+    session = _SESSIONS.get(optimizer)
+    if session is not None:
+        session.stepped = True
+
+
+def _grad_mark(grad: torch.Tensor | None) -> tuple | None:
+    return None if grad is None else (weakref.ref(grad), grad._version)
+
+
+def _as_left(mark: tuple | None, grad: torch.Tensor | None) -> bool:
+    if mark is None or grad is None:
+        return mark is None and grad is None
+    return mark[0]() is grad and grad._version == mark[1]
 
 
 @dataclasses.dataclass
@@ -96,7 +138,6 @@ class OptimizerInBackwardStep:
         self.gm, self.captured, self.options, self.compile_fn = gm, captured, options, compile_fn
         self.plain = plain
         self.optimizer: torch.optim.Optimizer = options.optimizer
-        self.session = _SESSIONS.setdefault(self.optimizer, _Session())
         self._membership: tuple | None = None
         self._compiled: dict[tuple, _FusedGraph] = {}
         self._find_fused_parameters()
@@ -113,13 +154,20 @@ class OptimizerInBackwardStep:
         self.fused_slots = [self.captured.gradient_outputs[name] for name in self.fused]
 
     def __call__(self, *args):
-        self.session.micro_steps += 1
-        if self.session.micro_steps % self.options.accumulation_steps:
-            return self.plain(*args)                       # accumulate into .grad
-        if self.options.grad_scaler is not None:
-            grad_scaler.check_accumulated(self.options.grad_scaler, self.captured.accumulating)
         if tuple(len(g["params"]) for g in self.optimizer.param_groups) != self._membership:
             self._find_fused_parameters()                  # add_param_group
+        if self.options.accumulation_steps > 1:
+            session = _session(self.optimizer)
+            session.micro_steps = self._micro_step_of_window(session)
+            if session.micro_steps < self.options.accumulation_steps:
+                outputs = self.plain(*args)                # accumulate into .grad
+                # the outputs become .grad (Dynamo assigns them after this call)
+                session.left = {id(p): _grad_mark(outputs[slot]) for p, slot in
+                                zip(self.fused.values(), self.fused_slots)}
+                return outputs
+            session.micro_steps, session.left = 0, {}      # this call applies the update: .grad None after
+        if self.options.grad_scaler is not None:
+            grad_scaler.check_accumulated(self.options.grad_scaler, self.captured.accumulating)
         fused, extras = self._compiled.get(self._state_layout()), None
         if fused is None:
             fused, extras = self._compile_fused(list(args))
@@ -127,6 +175,25 @@ class OptimizerInBackwardStep:
             self._compiled[self._state_layout()] = fused
         self._check_hyperparameters(fused.hyperparameters)
         return self._without_fused_gradients(list(self._run(fused, args, extras)))
+
+    def _micro_step_of_window(self, session: _Session) -> int:
+        """Which micro-step of its window this call is (1 starts a window): see the module docstring."""
+        grads = [p.grad for p in self.fused.values()]
+        if session.stepped or all(g is None for g in grads):
+            starts = True
+        elif all(_as_left(session.left.get(id(p)), p.grad) for p in self.fused.values()):
+            starts = False                                 # .grad as the last micro-step left it
+        else:                                              # the user changed .grad: zeroed, or added to
+            starts = all(g is None or not bool(g.any()) for g in grads)
+        if starts and session.micro_steps and not session.stepped and not session.warned:
+            session.warned = True
+            _warn_at_user_line(
+                f"accumulation_steps={self.options.accumulation_steps}: the gradients of {session.micro_steps} "
+                "micro-step(s) were cleared before the update that ends their window, so they are dropped "
+                "and a new window starts. To apply a partial window (the end of an epoch), call opt.step() "
+                "before opt.zero_grad(); do not clear .grad between the micro-steps of a window.")
+        session.stepped = False
+        return 1 if starts else session.micro_steps + 1
 
     def _without_fused_gradients(self, outputs: list) -> list:
         for slot in self.fused_slots:
@@ -289,6 +356,20 @@ class ScaledMicroStep:
         index = _append_placeholders(gm, ["optpass_scale"])
         loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][index])
         return self.compile_fn(gm, _symbolic_inputs(self.gm, args, [scale]), {})
+
+
+def _warn_at_user_line(message: str) -> None:
+    """A UserWarning at the innermost line of the user's code on the stack (the compiled call)."""
+    import traceback
+    import warnings
+
+    from optpass.errors import user_line_from_frames
+
+    where = user_line_from_frames(traceback.extract_stack())
+    if where is None:
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        warnings.warn_explicit(message, UserWarning, where.file, where.line)
 
 
 def _symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:

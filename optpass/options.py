@@ -66,7 +66,9 @@ OPTIONS: tuple[Option, ...] = (
            "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter; "
            "with data_parallel='zero1' each rank keeps only the masters of its shard"),
     Option("accumulation_steps", (int,), 1,
-           "with optimizer_in_backward: calls 1..K-1 accumulate into .grad, call K applies the update"),
+           "with optimizer_in_backward: micro-steps 1..K-1 of a window accumulate into .grad, micro-step K "
+           "applies the update; a window starts once .grad is cleared or after your own opt.step() (the "
+           "flush of a partial window)"),
     Option("grad_scaler", (type(None), "grad_scaler"), None,
            "a torch.amp.GradScaler: dynamic loss scaling with its semantics inside the step (backward seeded "
            "with the scale, gradients unscaled in fp32, the whole update skipped on inf/nan, the scale backed "
