@@ -191,6 +191,11 @@ def _check_combinations(options: Options) -> None:
         raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward, data_parallel, "
                            "master_weights or grad_scaler; without them call torch.nn.utils.clip_grad_norm_ "
                            "in the step")
+    if options.clip_grad_norm is not None and options.data_parallel is None:
+        selected = options.passes if options.passes is not None else ("clip_grad_norm_in_backward",)
+        if "clip_grad_norm_in_backward" not in selected or "clip_grad_norm_in_backward" in options.disable_passes:
+            raise OptpassError("clip_grad_norm is applied by the pass clip_grad_norm_in_backward; without it the "
+                               "step would not clip. Keep the pass, or leave out option 'clip_grad_norm'.")
     if options.data_parallel is not None:
         if options.optimizer is None:
             raise OptpassError("data_parallel='zero1' needs the optimizer: "

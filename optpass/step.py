@@ -33,7 +33,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from optpass.capture import CapturedGraph, GraphKind
-from optpass.errors import OptpassError
+from optpass.errors import OptpassError, node_user_line
 
 FORWARD, BACKWARD, GRADIENT_TRANSFORM, UPDATE, INPUT, OUTPUT = (
     "forward", "backward", "gradient_transform", "update", "input", "output")
@@ -127,6 +127,40 @@ class StepGraph:
             "(nor is it a product or sum of the inputs' sizes). Make that dimension static "
             "(torch._dynamo.mark_static, or torch.compile(..., dynamic=False)), or disable the pass "
             "(options={'disable_passes': [...]}); and please report the step.")
+
+    def define_inputs_before(self, nodes: set[torch.fx.Node], at: torch.fx.Node, needed_by: str) -> None:
+        """Make every value that `nodes` read from outside `nodes` defined before `at`, so that copies
+        of `nodes` can be inserted there.
+
+        A graph's order is one topological order, not "forward, then backward": Inductor's post-grad
+        graph places a forward value where its first reader was (a label reshape after the loss's
+        first backward op, a LayerNorm's ``rsqrt`` among backward ops), and its pattern rewrites
+        insert unmarked nodes (``iota``, constants) in the middle of backward. Those values, and the
+        values they read, are moved up to `at`, in their order. A value read from outside `nodes`
+        reads nothing of `nodes` (`nodes` are all that leads from the forward to what is copied), and
+        moving a pure value earlier changes nothing it computes; a node with a side effect or a
+        random draw is not moved but refused (`needed_by`: what needs the copy, and the options
+        that ask for it)."""
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        limit = position[at]
+        late: set[torch.fx.Node] = set()
+        stack = [a for n in nodes for a in n.all_input_nodes if a not in nodes]
+        while stack:
+            node = stack.pop()
+            if node in late or position[node] < limit:
+                continue
+            if node in nodes or node.op not in ("call_function", "get_attr") or node.is_impure():
+                where = node_user_line(node)
+                reason = ("it depends on what is copied" if node in nodes
+                          else "it has a side effect or draws random numbers")
+                raise OptpassError(
+                    f"{needed_by} reads {node.name} ({node.target}), which this graph computes only later and "
+                    f"which cannot move earlier: {reason}{f' (from {where})' if where else ''}. This is a limit "
+                    "of optpass; please report the step. Until it is lifted, leave out those options.")
+            late.add(node)
+            stack.extend(node.all_input_nodes)
+        for node in sorted(late, key=position.__getitem__):
+            at.prepend(node)
 
     @property
     def output_node(self) -> torch.fx.Node:

@@ -37,6 +37,7 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
+from optpass.errors import OptpassError, node_user_line
 from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, loss_scaling, master_weights,
                             optimizer_in_backward, per_sample_grad_norm, shard_optimizer)
 
@@ -50,19 +51,23 @@ class GraphPass:
     applies_to: tuple[GraphKind, ...]
     on_by_default: bool = True
     changes_numerics: bool = False
+    asked_by: str = ""     # the option that asks for the pass ("": it runs unless disabled)
 
 
 PASSES: tuple[GraphPass, ...] = (
     # fp16 loss scaling (GradScaler's semantics): scaled backward, fp32 unscale, skip on inf/nan (opt-in).
-    GraphPass("loss_scaling", loss_scaling.run, applies_to=(GraphKind.STEP,)),
+    GraphPass("loss_scaling", loss_scaling.run, applies_to=(GraphKind.STEP,), asked_by="grad_scaler"),
     # Global-norm clipping for fused updates: a norm-only backward first (opt-in).
-    GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,)),
+    GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,),
+              asked_by="clip_grad_norm"),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
-    GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,)),
+    GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,),
+              asked_by="optimizer_in_backward"),
     # bf16/fp16 parameters: torch.optim's update on fp32 masters, rounded into the parameters (opt-in).
-    GraphPass("master_weights", master_weights.run, applies_to=(GraphKind.STEP,), changes_numerics=True),
+    GraphPass("master_weights", master_weights.run, applies_to=(GraphKind.STEP,), changes_numerics=True,
+              asked_by="master_weights"),
     # ZeRO-1: per bucket a reduce during backward, this rank's shard update, a gather, in the graph (opt-in).
-    GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,)),
+    GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,), asked_by="data_parallel"),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
     GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,
               applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.MODEL, GraphKind.OTHER)),
@@ -119,10 +124,37 @@ def run_pipeline(step, options) -> list[PassOutcome]:
         outcome = PassOutcome(graph_pass.name, status, reason, before, after, list(step.notes))
         step.notes.clear()
         _trace_graph(f"optpass_after_{graph_pass.name}", step.graph)
+        check_well_formed(step.graph, graph_pass)
         log.info("optpass %s graph %s: %s", step.kind.value, step.captured.compile_id, outcome)
         outcomes.append(outcome)
-    step.graph.lint()
     return outcomes
+
+
+def check_well_formed(graph: torch.fx.Graph, graph_pass: GraphPass) -> None:
+    """An OptpassError naming the pass and the two nodes when `graph_pass` left a node that reads a
+    value defined after it (or not in the graph), or a graph that ``Graph.lint`` rejects. Short on
+    purpose: with TORCH_TRACE set, the graph is in the ``optpass_after_<pass>`` artifact."""
+    defined: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg not in defined:
+                where = node_user_line(node)
+                state = "only after it" if arg in set(graph.nodes) else "nowhere in the graph"
+                _ill_formed(graph_pass, f"node {node.name} ({node.target}) reads {arg.name} ({arg.target}), "
+                                        f"which is defined {state}{f' (from {where})' if where else ''}")
+        defined.add(node)
+    try:
+        graph.lint()
+    except RuntimeError as e:
+        _ill_formed(graph_pass, (str(e).splitlines() or [type(e).__name__])[0])
+
+
+def _ill_formed(graph_pass: GraphPass, what: str):
+    instead = (f"leave out option {graph_pass.asked_by!r}" if graph_pass.asked_by
+               else f"options={{'disable_passes': [{graph_pass.name!r}]}}")
+    raise OptpassError(f"optpass's pass {graph_pass.name} produced an ill-formed graph: {what}. This is a bug "
+                       f"in optpass; please report the step (TORCH_TRACE=<dir> records the graph before and "
+                       f"after each pass). Until it is fixed: {instead}.") from None
 
 
 def _trace_graph(name: str, graph: torch.fx.Graph) -> None:

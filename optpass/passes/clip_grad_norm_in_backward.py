@@ -140,6 +140,9 @@ def first_backward(step, targets: list[torch.fx.Node]) -> FirstBackward:
     graph = step.graph
     to_copy = _backward_cone(step, targets)
     end = next(n for n in graph.nodes if n in to_copy)
+    # The copy reads forward values that the graph may define after `end` (see define_inputs_before).
+    step.define_inputs_before(to_copy, end, "the norm-only first backward that options 'clip_grad_norm' "
+                                            "and 'grad_scaler' run inside backward")
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     with graph.inserting_before(end):
         for node in list(graph.nodes):
