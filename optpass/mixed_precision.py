@@ -314,7 +314,9 @@ def step_outside_message(params: list[torch.Tensor]) -> str:
             "This optimizer's update runs on fp32 master weights inside the step compiled with "
             "options={'optimizer': opt, 'master_weights': torch.float32}; this call would update the "
             "parameters directly, and the masters and their optimizer state would not see it. Call "
-            "opt.step() inside that compiled step, after loss.backward().")
+            "opt.step() inside that compiled step, after loss.backward(). To end a partial window of "
+            "accumulation_steps (the last micro-batches of an epoch), drop it with opt.zero_grad(), or make "
+            "each epoch a multiple of accumulation_steps micro-batches.")
 
 
 # ---------------------------------------------------------------- access
