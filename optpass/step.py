@@ -133,9 +133,10 @@ class StepGraph:
         of `nodes` can be inserted there.
 
         A graph's order is one topological order, not "forward, then backward": Inductor's post-grad
-        graph places a forward value where its first reader was (a label reshape after the loss's
-        first backward op, a LayerNorm's ``rsqrt`` among backward ops), and its pattern rewrites
-        insert unmarked nodes (``iota``, constants) in the middle of backward. Those values, and the
+        graph has forward values after backward ops (seen: a Llama's label reshape after the loss's
+        first backward op, GPT-2's LayerNorm ``rsqrt`` among backward ops), and its pattern rewrites
+        insert unmarked nodes (cross-entropy's one-hot as ``iota == label``) in the middle of
+        backward, which count as forward (no backward input). Those values, and the
         values they read, are moved up to `at`, in their order. A value read from outside `nodes`
         reads nothing of `nodes` (`nodes` are all that leads from the forward to what is copied), and
         moving a pure value earlier changes nothing it computes; a node with a side effect or a

@@ -332,3 +332,30 @@ def test_bf16_llama_with_master_weights_and_clip_in_backward_matches_megatron_wa
         assert master_diff(opt, reference) <= 1e-2, i
     assert master_diff(opt, unclipped) > 10 * 1e-2
     assert_clip_pass_applied("inductor")
+
+
+# ------------------------------------------------------------------ the mechanism, on a hand-made graph
+
+def _graph_with_a_late_input(late_op):
+    """x -> b1 = neg(x) ... c = late_op(x) ... b2 = mul(b1, c): copying {b1, b2} to before b1 needs c."""
+    from optpass.step import StepGraph
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    b1 = graph.call_function(torch.ops.aten.neg.default, (x,))
+    c = graph.call_function(late_op, (x,))
+    b2 = graph.call_function(torch.ops.aten.mul.Tensor, (b1, c))
+    graph.output((b2,))
+    return StepGraph(graph, None, {}, {}, {}, {}, []), {b1, b2}, b1, c
+
+
+def test_a_pure_value_the_copy_needs_moves_up_and_a_random_one_is_refused():
+    step, nodes, at, late = _graph_with_a_late_input(torch.ops.aten.sin.default)
+    step.define_inputs_before(nodes, at, "the copy")
+    assert late.next is at
+    step.graph.lint()
+    step, nodes, at, late = _graph_with_a_late_input(torch.ops.aten.rand_like.default)
+    with pytest.raises(optpass.OptpassError, match=r"the copy reads rand_like_default \(aten.rand_like.default\), which "
+                                                   r"this graph computes only later .* draws random numbers"):
+        step.define_inputs_before(nodes, at, "the copy")
