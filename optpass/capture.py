@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from optpass.errors import OptpassError, SourceLine, node_user_line, user_line_from_frames
+from optpass.errors import OptpassError, SourceLine, node_user_line, user_line_from_frames, warn_at_user_line
 
 # Names of parameters seen in step graphs, by tensor identity, so that an
 # update graph (where parameters appear as `param_groups[g]['params'][i]`)
@@ -444,16 +444,6 @@ def warn_backward_outside(captured: CapturedGraph) -> None:
         return
     _WARNED_LINES.add(key)
     warn_at_user_line(backward_outside_message(captured), BackwardOutsideGraphWarning, where)
-
-
-def warn_at_user_line(message: str, category: type[Warning], where: SourceLine | None = None) -> None:
-    """A warning attributed to the user's line (``where``, else the innermost user frame calling the
-    compiled step), not to the optpass line that raised it."""
-    where = where or user_line_from_frames(traceback.extract_stack())
-    if where is None:
-        warnings.warn(message, category, stacklevel=3)
-        return
-    warnings.warn_explicit(message, category, where.file, where.line, module=where.function)
 
 
 class RecompilingUpdateWarning(UserWarning):

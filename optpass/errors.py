@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import traceback
+import warnings
 
 import torch
 from torch._dynamo.exc import ShortenTraceback
@@ -80,3 +81,13 @@ def user_line(stack_trace: str | None) -> SourceLine | None:
 
 def node_user_line(node: torch.fx.Node) -> SourceLine | None:
     return user_line(node.meta.get("stack_trace"))
+
+
+def warn_at_user_line(message: str, category: type[Warning], where: SourceLine | None = None) -> None:
+    """A warning attributed to the user's line (``where``, else the innermost user frame calling the
+    compiled step), not to the optpass line that raised it."""
+    where = where or user_line_from_frames(traceback.extract_stack())
+    if where is None:
+        warnings.warn(message, category, stacklevel=3)
+        return
+    warnings.warn_explicit(message, category, where.file, where.line, module=where.function)

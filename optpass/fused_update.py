@@ -57,7 +57,7 @@ import torch.fx
 
 from optpass import grad_scaler
 from optpass.capture import CapturedGraph
-from optpass.errors import OptpassError
+from optpass.errors import OptpassError, warn_at_user_line
 from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
@@ -187,11 +187,11 @@ class OptimizerInBackwardStep:
             starts = all(g is None or not bool(g.any()) for g in grads)
         if starts and session.micro_steps and not session.stepped and not session.warned:
             session.warned = True
-            _warn_at_user_line(
+            warn_at_user_line(
                 f"accumulation_steps={self.options.accumulation_steps}: the gradients of {session.micro_steps} "
                 "micro-step(s) were cleared before the update that ends their window, so they are dropped "
                 "and a new window starts. To apply a partial window (the end of an epoch), call opt.step() "
-                "before opt.zero_grad(); do not clear .grad between the micro-steps of a window.")
+                "before opt.zero_grad(); do not clear .grad between the micro-steps of a window.", UserWarning)
         session.stepped = False
         return 1 if starts else session.micro_steps + 1
 
@@ -356,20 +356,6 @@ class ScaledMicroStep:
         index = _append_placeholders(gm, ["optpass_scale"])
         loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][index])
         return self.compile_fn(gm, _symbolic_inputs(self.gm, args, [scale]), {})
-
-
-def _warn_at_user_line(message: str) -> None:
-    """A UserWarning at the innermost line of the user's code on the stack (the compiled call)."""
-    import traceback
-    import warnings
-
-    from optpass.errors import user_line_from_frames
-
-    where = user_line_from_frames(traceback.extract_stack())
-    if where is None:
-        warnings.warn(message, UserWarning, stacklevel=3)
-    else:
-        warnings.warn_explicit(message, UserWarning, where.file, where.line)
 
 
 def _symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:

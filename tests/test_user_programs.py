@@ -251,3 +251,38 @@ def test_ordinals_and_articles_in_messages():
     for line in text.splitlines():
         if "estimated peak memory" in line:     # one unit per line
             assert len({word for word in line.replace(")", " ").split() if word in ("B", "KB", "MB")}) == 1, line
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_a_micro_step_with_optimizer_in_backward_is_refused_before_it_updates(lower):
+    """Hand-written accumulation: a micro-step (backward, no opt.step()) compiled with the step's
+    in-backward options updated the parameters at every call and dropped .grad (AdamW 17% off eager
+    after K=3). It is refused before anything runs, with the fix; accumulation_steps does the job."""
+    model, opt = mlp_and_adamw()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def micro_step(x, y):
+        loss = F.cross_entropy(model(x), y) / 3
+        loss.backward()
+        return loss.detach()
+    options = {"optimizer": opt, "optimizer_in_backward": True, "lower": lower}
+    with pytest.raises(optpass.OptpassError, match=r"does not call opt.step\(\).*'accumulation_steps': K") as info:
+        torch.compile(micro_step, backend="optpass", options=options)(*batch())
+    assert "test_user_programs.py" in str(info.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+    # the fix the message gives: the same micro-step with accumulation_steps, against eager
+    model_ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=torch.tensor(1e-2))
+    torch._dynamo.reset()
+    step = torch.compile(micro_step, backend="optpass", options={**options, "accumulation_steps": 3})
+    for i in range(6):
+        step(*batch(i))
+        loss = F.cross_entropy(model_ref(batch(i)[0]), batch(i)[1]) / 3
+        loss.backward()
+        if i % 3 == 2:
+            opt_ref.step()
+            opt_ref.zero_grad()
+    for p, q in zip(model.parameters(), model_ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

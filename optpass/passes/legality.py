@@ -67,6 +67,21 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
     _refuse_unseen_gradient_transforms(captured, "optimizer_in_backward", options.optimizer)
     _refuse_parallel_collectives(captured.gm.graph)
     _refuse_coupled_gradients(captured)
+    if options.accumulation_steps == 1 and not ends_at_optimizer_step(captured):
+        _refuse_update_without_optimizer_step(captured)
+
+
+def _refuse_update_without_optimizer_step(captured: CapturedGraph) -> None:
+    """A compiled step that does not call opt.step() must not update: eager PyTorch would leave its
+    gradients in .grad (a micro-step of gradient accumulation), the fused update would apply them."""
+    where = f" (backward() at {captured.backward_line})" if captured.backward_line else ""
+    raise OptpassError(
+        f"optimizer_in_backward: this compiled step does not call opt.step(){where}, yet its backward would "
+        "update the parameters and drop their gradients; eager PyTorch keeps them in .grad (a micro-step of "
+        "gradient accumulation). Fix: for gradient accumulation, compile this micro-step with "
+        "options={..., 'optimizer_in_backward': True, 'accumulation_steps': K}: optpass applies the update "
+        "at the K-th call of each window, and no step function with opt.step() is needed. Otherwise "
+        f"call the optimizer in the compiled step: `{SUPPORTED_SHAPE}`.")
 
 
 def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
