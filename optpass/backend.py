@@ -19,8 +19,8 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
 from optpass.errors import OptpassError
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
                                   refuse_update_during_accumulation, shard_the_optimizer)
-from optpass.passes.legality import (check_grad_scaler, check_master_weights, check_optimizer_in_backward,
-                                     check_zero1, ends_at_optimizer_step)
+from optpass.passes.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
+                                     check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state, refuse_without_low_precision
 from optpass.options import Options
 from optpass.report import GraphReport, record
@@ -44,9 +44,11 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         warn_backward_outside(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
+    runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    # A step that writes the lr in place: the update would not see it (silently), refuse with the fix.
+    check_hyperparameter_writes(captured, fused=runtime is not None)
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
-    runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
     if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
         return _lower(gm, example_inputs, {}, captured=captured, options=options)
     runtime.check(gm, captured, options)

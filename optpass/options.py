@@ -187,6 +187,13 @@ def _check_combinations(options: Options) -> None:
                            "options={'optimizer': opt, 'optimizer_in_backward': True}")
     fused_update = (options.optimizer_in_backward or options.data_parallel or options.master_weights is not None
                     or options.grad_scaler is not None)
+    if fused_update and _step_needs_a_closure(options.optimizer):
+        name = type(options.optimizer).__name__
+        raise OptpassError(
+            f"{name}.step() needs a closure: it evaluates the loss and runs backward() itself, several times per "
+            "step, outside the step's graph, so optpass cannot fuse or guard its update (optimizer_in_backward, "
+            "master_weights, grad_scaler and data_parallel would silently do nothing). Compile the step "
+            "without those options, or use an optimizer whose step() takes no closure.")
     if options.clip_grad_norm is not None and (not fused_update or options.clip_grad_norm <= 0):
         raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward, data_parallel, "
                            "master_weights or grad_scaler; without them call torch.nn.utils.clip_grad_norm_ "
@@ -228,6 +235,14 @@ def _check_combinations(options: Options) -> None:
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:
         raise OptpassError("accumulation_steps is for optimizer_in_backward; without it, accumulate "
                            "as usual (call opt.step() every K micro-steps)")
+
+
+def _step_needs_a_closure(optimizer) -> bool:
+    """torch.optim.LBFGS and other optimizers whose step(closure) has no default."""
+    import inspect
+
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure") if optimizer is not None else None
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_master_weights(options: Options) -> None:

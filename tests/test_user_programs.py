@@ -286,3 +286,72 @@ def test_a_micro_step_with_optimizer_in_backward_is_refused_before_it_updates(lo
             opt_ref.zero_grad()
     for p, q in zip(model.parameters(), model_ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_for_fused_updates():
+    """LBFGS runs backward() itself inside opt.step(closure), outside the step's graph: with
+    optimizer_in_backward nothing was fused and nothing said so; explain moved the weights."""
+    model = nn.Linear(8, 4)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def train_step(x, y):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure).detach()
+    options = {"optimizer": opt, "optimizer_in_backward": True}
+    refusal = r"LBFGS.step\(\) needs a closure.*Compile the step without"
+    with pytest.raises(optpass.OptpassError, match=refusal):
+        optpass.explain(train_step, *batch(), options=options)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))     # explain checks first
+    # compiled, the options reach optpass with Dynamo's first graph, inside LBFGS's first evaluation
+    with pytest.raises(optpass.OptpassError, match=refusal):
+        torch.compile(train_step, backend="optpass", options=options)(*batch())
+
+
+def step_that_sets_the_lr(model, opt, where):
+    def train_step(x, y, lr):
+        if where == "before the forward":
+            opt.param_groups[0]["lr"].fill_(lr)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if where == "after backward":
+            opt.param_groups[0]["lr"].fill_(lr)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+@pytest.mark.parametrize("where,options,refused", [
+    ("before the forward", {}, "Dynamo then drops the step's backward"),
+    ("before the forward", {"optimizer_in_backward": True}, "Dynamo then drops the step's backward"),
+    ("after backward", {"optimizer_in_backward": True}, "would apply one step late"),
+    ("after backward", {}, None),
+])
+def test_a_step_that_writes_the_lr_in_place_trains_as_eager_or_is_refused(where, options, refused):
+    """Warm-up written inside the step: before the forward the weights never moved (traced backward
+    dropped, any backend); after backward with in-backward the update read the previous lr."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model_ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    opt_ref = torch.optim.SGD(model_ref.parameters(), lr=torch.tensor(0.1))
+    step = torch.compile(step_that_sets_the_lr(model, opt, where), backend="optpass",
+                         options={"optimizer": opt, "lower": "eager", **options})
+    eager = step_that_sets_the_lr(model_ref, opt_ref, where)
+    before = [p.detach().clone() for p in model.parameters()]
+    if refused is not None:
+        with pytest.raises(optpass.OptpassError, match=rf"writes opt.param_groups\[0\]\['lr'\] in place.*{refused}"
+                                                       r".*change it outside the compiled step"):
+            step(*batch(), torch.tensor(0.05))
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return
+    for i in range(3):
+        step(*batch(i), torch.tensor(0.05 * (i + 1)))
+        eager(*batch(i), torch.tensor(0.05 * (i + 1)))
+    for p, q in zip(model.parameters(), model_ref.parameters()):
+        torch.testing.assert_close(p, q)

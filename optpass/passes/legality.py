@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import re
 
 import torch
 import torch.fx
@@ -69,6 +70,50 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
     _refuse_coupled_gradients(captured)
     if options.accumulation_steps == 1 and not ends_at_optimizer_step(captured):
         _refuse_update_without_optimizer_step(captured)
+
+
+def check_hyperparameter_writes(captured: CapturedGraph, fused: bool) -> None:
+    """A step that writes an optimizer's tensor hyper-parameter in place (``group["lr"].fill_(v)``).
+
+    Before backward(), Dynamo drops the step's traced backward from the graph (the parameters did not
+    move at all, with or without optpass's rewrites, under any backend once backward is traced). With
+    a fused update (``fused``) any write is refused: the update reads the hyper-parameters when the
+    step starts, so a write after backward() would reach it one step late."""
+    if captured.kind is GraphKind.UPDATE:
+        return
+    nodes = list(captured.gm.graph.nodes)
+    backward = next((n for n in nodes if n.op == "call_function" and n.target is torch.autograd.grad), None)
+    if backward is None:
+        # No backward traced: harmless alone (a function that sets the lr), but in a graph that also runs
+        # the model's forward Dynamo dropped the step's backward (measured: no autograd.grad, no update)
+        if not any(isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.requires_grad
+                   for n in nodes if n.op != "placeholder"):
+            return
+        backward = nodes[-1]
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in captured.gm.graph.nodes:
+        source = _source_of(node) if node.op == "placeholder" else None
+        if source is None or "param_groups" not in source:
+            continue
+        for user in node.users:
+            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+            writes = name.endswith("_") and not name.endswith("__") and user.args and user.args[0] is node
+            if writes and (fused or order[user] < order[backward]):
+                where = node_user_line(user)
+                what = re.sub(r"^[LG]\['([^']*)'\]", r"\1", source)
+                why = ("before backward(), where Dynamo then drops the step's backward from the graph: the "
+                       "parameters get no gradient and do not move" if order[user] < order[backward] else
+                       "after backward(), where the update fused into backward has already read it: it would "
+                       "apply one step late")
+                raise OptpassError(
+                    f"the compiled step writes {what} in place ({name}{f' at {where}' if where else ''}), {why}. "
+                    "Fix: change it outside the compiled step, before calling it (an LR scheduler's "
+                    "sched.step(), or opt.param_groups[0]['lr'].fill_(v) between steps): the next step reads it.")
+
+
+def _source_of(node: torch.fx.Node) -> str | None:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return source.name if source is not None else None
 
 
 def _refuse_update_without_optimizer_step(captured: CapturedGraph) -> None:
