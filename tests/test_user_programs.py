@@ -2,7 +2,9 @@
 
 Each test is a small program as a user writes it with the README open: two models in one step,
 a step that logs its loss, the model compiled alone, catching optpass's errors, a typo. Where
-optpass refuses, the test reads the error as the user does.
+optpass refuses, the test reads the error as the user does. The programs around clipping, explain
+and accumulation windows, and master weights live beside this file (``test_user_programs_clip.py``,
+``_explain.py``, ``_masters.py``), so that the test workers share them out.
 """
 
 from __future__ import annotations
