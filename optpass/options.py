@@ -150,6 +150,7 @@ class Options:
             if isinstance(value, list):
                 value = tuple(value)
             if key == "grad_scaler" and value is not None and not value.is_enabled():
+                _refuse_scaler_disabled_by_torch(value)
                 value = None        # GradScaler(enabled=False) does nothing: neither does optpass
             values[key] = value
         options = Options(**values)
@@ -235,6 +236,19 @@ def _check_combinations(options: Options) -> None:
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:
         raise OptpassError("accumulation_steps is for optimizer_in_backward; without it, accumulate "
                            "as usual (call opt.step() every K micro-steps)")
+
+
+def _refuse_scaler_disabled_by_torch(scaler) -> None:
+    """GradScaler("cuda") on a machine without CUDA disables itself (torch warns once): taking it as
+    'no scaling' would train fp16 unscaled and unchecked, which the user did not ask for."""
+    import torch
+
+    if getattr(scaler, "_device", None) == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
+        raise OptpassError(
+            "grad_scaler is a torch.amp.GradScaler('cuda') on a machine without CUDA, which torch disabled "
+            "(scale 1.0, no inf/nan check): fp16 would train unscaled. Make it for the device your parameters "
+            "are on: torch.amp.GradScaler('cpu') (or GradScaler(next(model.parameters()).device.type)); "
+            "GradScaler(enabled=False) turns loss scaling off on purpose.")
 
 
 def _step_needs_a_closure(optimizer) -> bool:

@@ -357,3 +357,19 @@ def test_a_step_that_writes_the_lr_in_place_trains_as_eager_or_is_refused(where,
         eager(*batch(i), torch.tensor(0.05 * (i + 1)))
     for p, q in zip(model.parameters(), model_ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_a_grad_scaler_that_torch_disabled_for_lack_of_cuda_is_refused_with_the_fix():
+    """GradScaler("cuda") (the usual line) on a machine without CUDA: torch disables it, and optpass
+    trained fp16 unscaled with no inf check. GradScaler(enabled=False) stays a deliberate off switch."""
+    if torch.cuda.is_available():
+        pytest.skip("torch disables GradScaler('cuda') only where CUDA is not available")
+    model = nn.Linear(8, 4).to(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = torch.amp.GradScaler("cuda")
+    with pytest.raises(optpass.OptpassError, match=r"GradScaler\('cpu'\)"):
+        optpass.options.Options.from_user({"optimizer": opt, "master_weights": torch.float32, "grad_scaler": scaler})
+    off = optpass.options.Options.from_user({"optimizer": opt, "master_weights": torch.float32,
+                                             "grad_scaler": torch.amp.GradScaler("cpu", enabled=False)})
+    assert off.grad_scaler is None
