@@ -247,8 +247,9 @@ def _refuse_scaler_disabled_by_torch(scaler) -> None:
         raise OptpassError(
             "grad_scaler is a torch.amp.GradScaler('cuda') on a machine without CUDA, which torch disabled "
             "(scale 1.0, no inf/nan check): fp16 would train unscaled. Make it for the device your parameters "
-            "are on: torch.amp.GradScaler('cpu') (or GradScaler(next(model.parameters()).device.type)); "
-            "GradScaler(enabled=False) turns loss scaling off on purpose.")
+            "are on: torch.amp.GradScaler('cpu') (or GradScaler(next(model.parameters()).device.type)). To "
+            "train without loss scaling on purpose, leave grad_scaler out (a GradScaler('cuda', enabled=False) "
+            "on this machine cannot be told apart from one torch disabled).")
 
 
 def _step_needs_a_closure(optimizer) -> bool:

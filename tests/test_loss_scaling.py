@@ -477,7 +477,8 @@ def test_option_refusals(options, message):
 
 def test_a_disabled_scaler_is_ignored_as_gradscaler_ignores_itself():
     _, opt = _fp16_setup()
-    options = optpass.options.Options.from_user({"optimizer": opt, "grad_scaler": torch.amp.GradScaler(enabled=False)})
+    options = optpass.options.Options.from_user({"optimizer": opt,
+                                                 "grad_scaler": torch.amp.GradScaler("cpu", enabled=False)})
     assert options.grad_scaler is None
 
 
