@@ -7,13 +7,16 @@ A training step compiles into several Dynamo graphs (DESIGN.md facts 1-3):
   that Dynamo assigns to ``p.grad`` after the graph runs;
 * a **forward** graph: forward only, when ``backward()`` graph-broke (fact 19);
   the backward then runs from eager autograd, outside optpass's reach;
+* a **model** graph: a forward with no ``backward()`` in the compiled code (the model
+  compiled alone, an evaluation): nothing to warn of or rewrite;
 * an **update** graph: ``optimizer.step()``; gradients are placeholders
   (``param_groups[g]['params'][i].grad``), parameters and optimizer state are
   ``get_attr`` tensors mutated in place;
 * anything else (epilogues such as ``loss.detach()``).
 
 ``capture(gm)`` classifies a Dynamo graph and names its values: parameters by
-module path (``layers.0.attn.wq.weight``, parsed from Dynamo's sources), which
+module path (``layers.0.attn.wq.weight``, parsed from Dynamo's sources; prefixed with
+the step's variable, ``G.0.weight``, where two models' paths coincide), which
 output is which parameter's gradient, which update-graph placeholder is which
 parameter's gradient. Parameters are remembered by identity across graphs, so
 the update graph's gradients are linked to the step graph's outputs.
