@@ -373,3 +373,41 @@ def test_a_grad_scaler_that_torch_disabled_for_lack_of_cuda_is_refused_with_the_
     off = optpass.options.Options.from_user({"optimizer": opt, "master_weights": torch.float32,
                                              "grad_scaler": torch.amp.GradScaler("cpu", enabled=False)})
     assert off.grad_scaler is None
+
+
+def test_token_weighted_accumulation_as_the_readme_writes_it_equals_eager():
+    """accumulation_steps with a loss summed over tokens and divided by the window's count of real
+    (non -100) tokens, given as a 0-d tensor: the update is the gradient of the window's token mean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    model_ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+    opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=torch.tensor(1e-2))
+
+    def make_micro_step(model):
+        def micro_step(x, labels, tokens_in_window):
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   reduction="sum") / tokens_in_window
+            loss.backward()
+            return loss.detach()
+        return micro_step
+    step = torch.compile(make_micro_step(model), backend="optpass", options={
+        "optimizer": opt, "optimizer_in_backward": True, "accumulation_steps": 2, "lower": "eager"})
+    eager = make_micro_step(model_ref)
+    g = torch.Generator().manual_seed(0)
+    for window in range(3):
+        batches = []
+        for _ in range(2):
+            x = torch.randint(0, 16, (2, 6), generator=g)
+            labels = torch.randint(0, 16, (2, 6), generator=g)
+            labels[:, torch.randint(1, 6, (1,), generator=g).item():] = -100     # padding, a different amount each
+            batches.append((x, labels))
+        tokens_in_window = torch.tensor(sum(int((labels != -100).sum()) for _, labels in batches))
+        for x, labels in batches:
+            torch.testing.assert_close(step(x, labels, tokens_in_window), eager(x, labels, tokens_in_window))
+        opt_ref.step()
+        opt_ref.zero_grad()
+    for p, q in zip(model.parameters(), model_ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert p.grad is None
