@@ -68,7 +68,7 @@ def _check_zero1(gm, captured, options) -> None:
     check_zero1(captured, options)
     if options.master_weights is not None:
         check_master_weights(captured, options)
-        refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
+        _refuse_without_low_precision(captured, options)
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
     if captured.kind is GraphKind.STEP:
@@ -80,7 +80,7 @@ def _check_master_weights(gm, captured, options) -> None:
     check_master_weights(captured, options)
     if options.grad_scaler is not None:
         check_grad_scaler(captured, options)
-    refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
+    _refuse_without_low_precision(captured, options)
     # made now (not at the first fused step; the masters are made as steps first update their
     # parameters): it guards opt.step() against running outside the compiled step, after a
     # micro-step too
@@ -90,12 +90,10 @@ def _check_master_weights(gm, captured, options) -> None:
         refuse_update_during_accumulation(captured, options)
 
 
-def _optimizer_params(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _step_params(captured) -> list:
-    return [p.tensor for p in captured.params if p.tensor is not None]
+def _refuse_without_low_precision(captured, options) -> None:
+    """master_weights needs a bf16/fp16 parameter in the optimizer or in the step."""
+    refuse_without_low_precision([p for group in options.optimizer.param_groups for p in group["params"]],
+                                 [p.tensor for p in captured.params if p.tensor is not None])
 
 
 def _check_fused_update(gm, captured, options) -> None:
@@ -183,7 +181,7 @@ def explaining_backend(gm, example_inputs, options=None):
     if options.master_weights is not None and captured.kind in (GraphKind.STEP, GraphKind.FORWARD):
         try:
             check_master_weights(captured, options)
-            refuse_without_low_precision(_optimizer_params(options.optimizer), _step_params(captured))
+            _refuse_without_low_precision(captured, options)
             if options.data_parallel is None:     # zero1 keeps its masters sharded, made by its step
                 master_state(options.optimizer, options.master_weights)
             verdict, masters_legal = ("master_weights is legal: the step graph holds backward and every "

@@ -198,27 +198,33 @@ class CapturedGraph:
 
 # ---------------------------------------------------------------- names
 
-_ROOT = re.compile(r"^[LG]\['[^']*'\]")
+_ROOT = re.compile(r"^[LG]\['([^']*)'\]")
 _PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.(\w+)|\['([^']+)'\]|\[(\d+)\]")
 
 
-def module_path(source_name: str) -> str:
+def module_path(source: str) -> str:
     """`G['model']._modules['0']._parameters['weight']` -> `0.weight`."""
-    rest = _ROOT.sub("", source_name)
+    rest = _ROOT.sub("", source)
     parts = [next(g for g in m.groups() if g is not None) for m in _PART.finditer(rest)]
-    return ".".join(parts) if parts else source_name
+    return ".".join(parts) if parts else source
 
 
-def rooted_path(source_name: str) -> str:
+def rooted_path(source: str) -> str:
     """`G['model']._modules['0']._parameters['weight']` -> `model.0.weight` (the step's variable first)."""
-    root = _ROOT.match(source_name)
-    path = module_path(source_name)
-    if root is None or path == source_name:
-        return source_name
-    return f"{root.group(0)[3:-2]}.{path}"
+    root = _ROOT.match(source)
+    path = module_path(source)
+    if root is None or path == source:
+        return source
+    return f"{root.group(1)}.{path}"
 
 
-def _source_name(node: torch.fx.Node) -> str | None:
+def readable_source(source: str) -> str:
+    """`G['opt'].param_groups[0]['lr']` -> `opt.param_groups[0]['lr']` (as the step's code spells it)."""
+    return _ROOT.sub(r"\1", source)
+
+
+def source_name(node: torch.fx.Node) -> str | None:
+    """Dynamo's source of a placeholder (``G['model']._modules['0']._parameters['weight']``), if any."""
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     return source.name if source is not None else None
@@ -252,7 +258,7 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
     )
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
-    if any(_is_grad_source(_source_name(p)) and "param_groups" in (_source_name(p) or "") for p in placeholders):
+    if any(_is_grad_source(source_name(p)) and "param_groups" in (source_name(p) or "") for p in placeholders):
         return _capture_update(placeholders, **common)
     params = _parameters_of(placeholders)
     outputs_need_grad = any(
@@ -267,7 +273,8 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
 
 
 OPTIMIZER_SPLIT = "optimizer.step()"
-_BREAKS_SEEN: dict[str, Any] = {}   # Dynamo's graph-break counter and its counts at the last capture
+# Dynamo's graph-break counter at the last capture, and its counts then
+_breaks_seen: tuple[Any, dict[str, int]] = (None, {})
 _LEAKED_GRAD_FN = "autograd.grad consumed returned tensor's grad_fn"
 # torch.optim's own breaks (its step wrapper calls torch._dynamo.graph_break(); a parameter whose
 # .grad the same graph set is a pending mutation): the tutorial step shape, not a user's break
@@ -280,15 +287,13 @@ def _graph_breaks_since_last_capture() -> list[str]:
     Dynamo counts each break's reason (``counters['graph_break']``) as it traces; a frame whose
     first trace broke after backward() with ``loss`` still alive is traced again with the break
     moved to backward(), and both reasons are counted before the first graph reaches the backend."""
+    global _breaks_seen
     counter = torch._dynamo.utils.counters["graph_break"]
-    if _BREAKS_SEEN.get("counter") is not counter:      # someone cleared Dynamo's counters
-        _BREAKS_SEEN.clear()
-        _BREAKS_SEEN["counter"] = counter
-    seen = _BREAKS_SEEN.setdefault("counts", {})
-    new = [reason for reason, count in counter.items() if count > seen.get(reason, 0)]
-    seen.clear()
-    seen.update(counter)
-    return new
+    last_counter, seen = _breaks_seen
+    if last_counter is not counter:                     # someone cleared Dynamo's counters: a new one
+        seen = {}
+    _breaks_seen = (counter, dict(counter))
+    return [reason for reason, count in counter.items() if count > seen.get(reason, 0)]
 
 
 def _later_break(split, breaks: list[str]) -> str | None:
@@ -346,14 +351,14 @@ def _is_grad_source(name: str | None) -> bool:
 
 def is_existing_gradient(node: torch.fx.Node) -> bool:
     """An input of the graph that is a parameter's existing ``.grad`` (the step accumulates into it)."""
-    return node.op == "placeholder" and _is_grad_source(_source_name(node))
+    return node.op == "placeholder" and _is_grad_source(source_name(node))
 
 
 def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
     """The graph's parameters, each named by a path unique among them (see ``unique_names``)."""
     found = [(index, node, _example(node)) for index, node in enumerate(placeholders)
              if isinstance(_example(node), torch.nn.Parameter)]
-    names = unique_names([_source_name(node) or node.name for _, node, _ in found])
+    names = unique_names([source_name(node) or node.name for _, node, _ in found])
     params = []
     for (index, _, example), name in zip(found, names):
         _PARAM_NAMES[example] = name
@@ -383,15 +388,15 @@ def _capture_step(placeholders, grad_calls, nodes, **common) -> CapturedGraph:
     params = _parameters_of(placeholders)
     _refuse_post_accumulate_grad_hooks(params)
     by_node = {placeholders[p.input_index]: p for p in params}
-    by_source = {_source_name(placeholders[p.input_index]): p for p in params}
+    by_source = {source_name(placeholders[p.input_index]): p for p in params}
     gradient_outputs, accumulating = {}, set()
     for index, value in enumerate(nodes[-1].args[0]):
         if not isinstance(value, torch.fx.Node):
             continue
         if value.op == "call_function" and value.target is torch.empty_like and value.args[0] in by_node:
             gradient_outputs[by_node[value.args[0]].name] = index       # first gradient: new tensor
-        elif value.op == "placeholder" and _is_grad_source(_source_name(value)):
-            param = by_source.get(_source_name(value)[: -len(".grad")])
+        elif value.op == "placeholder" and _is_grad_source(source_name(value)):
+            param = by_source.get(source_name(value)[: -len(".grad")])
             if param is not None:                                         # accumulation: .grad.add_(g)
                 gradient_outputs[param.name] = index
                 accumulating.add(param.name)
@@ -427,7 +432,7 @@ def _capture_update(placeholders, gm, **common) -> CapturedGraph:
     params = [p if taken.count(p.name) == 1 else dataclasses.replace(p, name=p.attr) for p in params]
     gradient_inputs, hyperparameters = {}, {}
     for index, node in enumerate(placeholders):
-        source, example = _source_name(node) or "", _example(node)
+        source, example = source_name(node) or "", _example(node)
         if _is_grad_source(source):
             owner = next((p for p in params if p.tensor.grad is example), None)
             if owner is not None:

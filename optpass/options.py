@@ -200,8 +200,7 @@ def _check_combinations(options: Options) -> None:
                            "master_weights or grad_scaler; without them call torch.nn.utils.clip_grad_norm_ "
                            "in the step")
     if options.clip_grad_norm is not None and options.data_parallel is None:
-        selected = options.passes if options.passes is not None else ("clip_grad_norm_in_backward",)
-        if "clip_grad_norm_in_backward" not in selected or "clip_grad_norm_in_backward" in options.disable_passes:
+        if not _pass_selected(options, "clip_grad_norm_in_backward"):
             raise OptpassError("clip_grad_norm is applied by the pass clip_grad_norm_in_backward; without it the "
                                "step would not clip. Keep the pass, or leave out option 'clip_grad_norm'.")
     if options.data_parallel is not None:
@@ -275,10 +274,15 @@ def _check_master_weights(options: Options) -> None:
         _require_pass(options, "master_weights", "master_weights")
 
 
+def _pass_selected(options: Options, name: str) -> bool:
+    """Whether an opt-in pass that an option asks for runs: listed in 'passes' (None: every pass
+    runs that is asked for) and not in 'disable_passes'."""
+    return (options.passes is None or name in options.passes) and name not in options.disable_passes
+
+
 def _require_pass(options: Options, name: str, feature: str) -> None:
     """The pass that applies every update: without it the step's gradients would be dropped."""
-    selected = options.passes if options.passes is not None else (name,)
-    if name not in selected or name in options.disable_passes:
+    if not _pass_selected(options, name):
         raise OptpassError(
             f"{feature} needs the pass {name} (it applies every update, and the step hands optpass its "
             "gradients); do not leave it out with options 'passes' / 'disable_passes'.")
@@ -294,8 +298,7 @@ def _check_grad_scaler(options: Options) -> None:
             "check one micro-step's gradients, not their sum. Accumulate with the update after backward: drop "
             "optimizer_in_backward and accumulation_steps, and compile the micro-steps (backward without "
             "opt.step()) and the step with the same options.")
-    selected = options.passes if options.passes is not None else ("loss_scaling",)
-    if "loss_scaling" not in selected or "loss_scaling" in options.disable_passes:
+    if not _pass_selected(options, "loss_scaling"):
         raise OptpassError(
             "grad_scaler needs the pass loss_scaling (it scales backward, unscales the gradients and skips "
             "the update on inf/nan); do not leave it out with options 'passes' / 'disable_passes'.")

@@ -41,13 +41,12 @@ from __future__ import annotations
 import inspect
 import operator
 import os
-import re
 
 import torch
 import torch.fx
 
-from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, is_existing_gradient,
-                             backward_outside_message)
+from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, backward_outside_message,
+                             is_existing_gradient, readable_source, source_name)
 from optpass.errors import OptpassError, SourceLine, node_user_line, stack_frames
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
@@ -91,8 +90,8 @@ def check_hyperparameter_writes(captured: CapturedGraph, fused: bool) -> None:
             return
         backward = nodes[-1]
     order = {n: i for i, n in enumerate(nodes)}
-    for node in captured.gm.graph.nodes:
-        source = _source_of(node) if node.op == "placeholder" else None
+    for node in nodes:
+        source = source_name(node) if node.op == "placeholder" else None
         if source is None or "param_groups" not in source:
             continue
         for user in node.users:
@@ -100,7 +99,7 @@ def check_hyperparameter_writes(captured: CapturedGraph, fused: bool) -> None:
             writes = name.endswith("_") and not name.endswith("__") and user.args and user.args[0] is node
             if writes and (fused or order[user] < order[backward]):
                 where = node_user_line(user)
-                what = re.sub(r"^[LG]\['([^']*)'\]", r"\1", source)
+                what = readable_source(source)
                 why = ("before backward(), where Dynamo then drops the step's backward from the graph: the "
                        "parameters get no gradient and do not move" if order[user] < order[backward] else
                        "after backward(), where the update fused into backward has already read it: it would "
@@ -109,11 +108,6 @@ def check_hyperparameter_writes(captured: CapturedGraph, fused: bool) -> None:
                     f"the compiled step writes {what} in place ({name}{f' at {where}' if where else ''}), {why}. "
                     "Fix: change it outside the compiled step, before calling it (an LR scheduler's "
                     "sched.step(), or opt.param_groups[0]['lr'].fill_(v) between steps): the next step reads it.")
-
-
-def _source_of(node: torch.fx.Node) -> str | None:
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    return source.name if source is not None else None
 
 
 def _refuse_update_without_optimizer_step(captured: CapturedGraph) -> None:
