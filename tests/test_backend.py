@@ -298,7 +298,9 @@ for i in range(3):
 applied = [p.status for r in optpass.recent_reports() for p in r.passes if p.name == "optimizer_in_backward"]
 print(compile_fx.fx_compile_mode.name, len(applied) > 0 and set(applied) == {"applied"})
 print(sorted(k.__name__ for k, v in _OutOfProcessFxCompile._compile_stats.items() if v.codegen_and_compile))
-print(all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())))
+# Inductor's fused update and eager SGD may round differently (1.5e-8 apart on an AMD EPYC without
+# AVX-512): a wrong update is off by far more than a few ulps
+print(max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(model.parameters(), reference.parameters())) <= 1e-6)
 """, env={"TORCHINDUCTOR_FX_COMPILE_MODE": "SUBPROCESS", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     mode, compiled_by, equal = out.strip().splitlines()
     assert mode == "SUBPROCESS True"                 # the user's mode is back; the pass ran here
