@@ -17,6 +17,9 @@ sensitivity is unchanged (jax_privacy's batch selection pads the same way)::
     ...
     coef = torch.where(mask, (C / (norms + 1e-6)).clamp(max=1.0), 0)
 
+What the step returns per example (its norms) has rows for the padding too: keep the
+real ones with ``norms[mask]`` before logging them.
+
 Padding repeats zeros (token id 0 for integer tensors): inputs whose gradients are finite for
 the usual models; the mask then removes them exactly.
 """
