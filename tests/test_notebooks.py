@@ -1,12 +1,16 @@
-"""Every example notebook runs top to bottom without an error.
+"""Every example notebook runs top to bottom without an error, and matches its text source.
+
+Each notebook is written as a jupytext percent-format source, ``examples/<name>.py``
+(``# %%`` code cells, ``# %% [markdown]`` cells), paired with ``examples/<name>.ipynb``,
+which keeps the outputs that GitHub shows. After editing a source, bring its notebook up to date
+with ``jupytext --sync examples/<name>.py`` (it keeps the outputs of unchanged cells), or re-run it
+and save the new outputs with ``jupytext --sync --execute examples/<name>.py`` (needs nbconvert).
 
 Each ``examples/*.ipynb`` is executed in a fresh ``python3`` kernel (the one
 ipykernel provides, running this interpreter), from the examples folder. The
-executed copy stays in memory: the notebooks in the repository keep the
-outputs ``examples/_build_notebooks.py`` saved.
+executed copy stays in memory: the notebooks in the repository keep their saved outputs.
 """
 
-import importlib.util
 import os
 import pathlib
 import sys
@@ -59,22 +63,34 @@ def test_notebook_runs_without_errors(path):
     assert not errors, f"{path.name}: error outputs: {[e.get('ename') for e in errors]}"
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("_build_notebooks", EXAMPLES / "_build_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+PAIRING = "ipynb,py:percent"
+# A notebook source starts with jupytext's YAML header; examples/zero1_train.py (a plain script
+# that the zero1 notebook runs with torchrun) has none and is no notebook.
+HEADER = "# ---\n# jupyter:\n"
+SOURCES = sorted(p for p in EXAMPLES.glob("*.py") if p.read_text().startswith(HEADER))
 
 
-@pytest.mark.skipif(not (EXAMPLES / "_build_notebooks.py").exists(), reason="no notebook generator")
-def test_generated_notebooks_match_their_generator():
-    """A notebook written by examples/_build_notebooks.py still has the cells written there."""
-    builder = _builder()
-    for name, cells in builder.NOTEBOOKS.items():
-        saved = nbformat.read(EXAMPLES / name, as_version=4)
-        expected = builder.build(cells)
-        assert [(c.cell_type, c.source) for c in saved.cells] == \
-            [(c.cell_type, c.source) for c in expected.cells], (
-            f"examples/{name} differs from examples/_build_notebooks.py: edit the generator and "
-            "run `python examples/_build_notebooks.py` to regenerate (and re-run) the notebook")
-        assert (EXAMPLES / name).stat().st_size < 300_000, f"examples/{name} is over 300 KB"
+def test_every_notebook_is_paired_with_a_percent_source():
+    """Each examples/<name>.ipynb has examples/<name>.py, and no source lacks its notebook."""
+    assert [p.stem for p in SOURCES] == [p.stem for p in NOTEBOOKS], (
+        f"notebook sources {[p.name for p in SOURCES]} vs notebooks {[p.name for p in NOTEBOOKS]}: "
+        "create a missing notebook with `jupytext --to ipynb examples/<name>.py`, or a missing source "
+        f"with `jupytext --set-formats {PAIRING} examples/<name>.ipynb`")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_has_the_cells_of_its_source(path):
+    jupytext = pytest.importorskip("jupytext")
+    source = path.with_suffix(".py")
+    saved = nbformat.read(path, as_version=4)
+    text = jupytext.read(source)
+    for name, nb in ((path.name, saved), (source.name, text)):
+        formats = nb.metadata.get("jupytext", {}).get("formats")
+        assert formats == PAIRING, f"examples/{name} pairs {formats!r}, not {PAIRING!r}"
+    assert text.metadata["jupytext"]["text_representation"]["format_name"] == "percent", \
+        f"examples/{source.name} is not in jupytext's percent format"
+    assert [(c.cell_type, c.source) for c in saved.cells] == \
+        [(c.cell_type, c.source) for c in text.cells], (
+        f"examples/{path.name} differs from examples/{source.name}: edit the .py and run "
+        f"`jupytext --sync examples/{source.name}` (add --execute to re-run it and save its outputs)")
+    assert path.stat().st_size < 300_000, f"examples/{path.name} is over 300 KB"
