@@ -11,18 +11,21 @@ import dataclasses
 import functools
 from typing import Callable
 
+import torch.distributed as dist
 import torch.fx
 
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
-from optpass.errors import OptpassError
+from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
                                   refuse_update_during_accumulation, shard_the_optimizer)
 from optpass.passes.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                                      check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state, refuse_without_low_precision
 from optpass.options import Options
+from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
+from optpass.zero1 import sharded_state
 from optpass.report import GraphReport, record
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
@@ -31,6 +34,16 @@ enable_backward_capture()
 
 
 def optpass_backend(gm, example_inputs, options=None, mode=None):
+    try:
+        return _compile(gm, example_inputs, options, mode)
+    except RanksDisagree:
+        raise                            # every rank raised it
+    except OptpassError as error:
+        announce_refusal(str(error))     # ranks waiting for this one in a data-parallel step fail now
+        raise
+
+
+def _compile(gm, example_inputs, options, mode):
     # A typo in options is an error now, not a silently different compile.
     options = Options.from_user(options)
     if mode not in (None, "default"):
@@ -45,6 +58,8 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    # A training step on one of several ranks, not data-parallel: say so (ranks that wait for it fail).
+    _warn_undistributed(captured, options)
     # A step that writes the lr in place: the update would not see it (silently), refuse with the fix.
     check_hyperparameter_writes(captured, fused=runtime is not None)
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
@@ -58,9 +73,35 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
         return runtime.step(gm, captured, options, plain, lower)
     # a micro-step of gradient accumulation (backward, no opt.step()): its gradients stay in .grad
     # for the step that follows; under a grad_scaler its backward is of loss * scale
-    if _scaled_micro_step(captured, options):
-        return ScaledMicroStep(gm, captured, options, lower)
-    return lower(gm, example_inputs, {})
+    micro_step = (ScaledMicroStep(gm, captured, options, lower) if _scaled_micro_step(captured, options)
+                  else lower(gm, example_inputs, {}))
+    if options.data_parallel == "zero1" and captured.kind is GraphKind.STEP:
+        replicas = sharded_state(options.optimizer).replicas
+        return lambda *args: replicas.run(micro_step, args, micro_step=True)   # rank 0's buffers, as DDP
+    return micro_step
+
+
+_warned_undistributed = False
+
+
+def _warn_undistributed(captured, options) -> None:
+    """A step with backward compiled without data_parallel while torch.distributed runs several
+    ranks: each rank trains alone, its gradients are not averaged. Warn once (each rank may train
+    a model of its own on purpose), and tell ranks that wait for this one in a data-parallel step."""
+    global _warned_undistributed
+    if (options.data_parallel is not None or captured.kind is not GraphKind.STEP
+            or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2):
+        return
+    where = captured.backward_line
+    announce_undistributed(f"its step at {where}" if where is not None else "its step")
+    if not _warned_undistributed:
+        _warned_undistributed = True
+        warn_at_user_line(
+            f"optpass: torch.distributed runs {dist.get_world_size()} ranks, but this training step is compiled "
+            "without data_parallel: this rank trains on its own batches, its gradients are not averaged "
+            "across ranks. To train data-parallel pass options={..., 'data_parallel': 'zero1'} on every rank "
+            "(a DistributedDataParallel model is not averaged either: see the README's ZeRO-1 section).",
+            UserWarning, where)
 
 
 def _check_zero1(gm, captured, options) -> None:
@@ -72,8 +113,27 @@ def _check_zero1(gm, captured, options) -> None:
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
     if captured.kind is GraphKind.STEP:
+        _refuse_gradients_outside_the_optimizer(captured, options)
         # made now, a micro-step's compile included: rank 0's parameters before any gradient
         shard_the_optimizer(gm, captured, options)
+
+
+def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
+    """DDP averages the gradient of every trainable parameter; zero1 averages the optimizer's (in its
+    update). Another trainable parameter would keep this rank's gradient in .grad, a different one
+    on every rank: refused, with the fix."""
+    in_optimizer = {id(p) for group in options.optimizer.param_groups for p in group["params"]}
+    by_name = captured.param_by_name
+    outside = [name for name in captured.gradient_outputs
+               if name in by_name and id(by_name[name].tensor) not in in_optimizer]
+    if outside:
+        raise OptpassError(
+            f"data_parallel='zero1': parameter(s) {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} "
+            f"get gradients in this step but are not in the optimizer ({len(outside)} in all). zero1 "
+            "averages across ranks the gradients its optimizer updates; these would keep this rank's "
+            "gradient in .grad (DDP would average them). Freeze what you do not train "
+            "(p.requires_grad_(False): it also saves their backward), or put them in the optimizer "
+            "(another param group for other settings).")
 
 
 def _check_master_weights(gm, captured, options) -> None:

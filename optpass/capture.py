@@ -354,6 +354,18 @@ def is_existing_gradient(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and _is_grad_source(source_name(node))
 
 
+def module_buffers(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The registered module buffers the graph reads (BatchNorm's running statistics, a rotary
+    table), by the path from the step's variable (``model.1.running_mean``)."""
+    found = {}
+    for node in gm.graph.nodes:
+        source = source_name(node) if node.op == "placeholder" else None
+        example = _example(node) if source is not None else None
+        if "._buffers[" in (source or "") and isinstance(example, torch.Tensor):
+            found[rooted_path(source)] = example
+    return found
+
+
 def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
     """The graph's parameters, each named by a path unique among them (see ``unique_names``)."""
     found = [(index, node, _example(node)) for index, node in enumerate(placeholders)

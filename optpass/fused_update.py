@@ -56,11 +56,12 @@ import torch
 import torch.fx
 
 from optpass import grad_scaler
-from optpass.capture import CapturedGraph
+from optpass.capture import CapturedGraph, module_buffers
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
+from optpass.rank_agreement import explain_failed_collective
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -423,8 +424,10 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
     trainable = trainable_params(options.optimizer)
     order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
                                       if id(p) in placeholder_of}, len(trainable))
+    frozen = {p.name: p.tensor for p in captured.params if not p.tensor.requires_grad}
     return sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                             options.bucket_bytes, names_by_id, options.master_weights, order)
+                             options.bucket_bytes, names_by_id, options.master_weights, order,
+                             step=options.across_ranks(), replicated={**frozen, **module_buffers(gm)})
 
 
 class ShardedStep(OptimizerInBackwardStep):
@@ -467,16 +470,14 @@ class ShardedStep(OptimizerInBackwardStep):
     def __call__(self, *args):
         self.sharded.refresh_masters()       # a checkpoint without masters was loaded
         try:
-            return super().__call__(*args)
+            return self.sharded.replicas.run(super().__call__, args)    # rank 0's buffers first
         except OptpassError:
             raise
         except RuntimeError as error:
             pg = self.sharded.pg
             raise OptpassError(
                 f"data_parallel='zero1': the step failed on rank {pg.rank} of {pg.world}: {error}\n"
-                "If another rank failed first, its error is the cause: a rank that stops taking part "
-                "in the step's collectives makes every other rank's collectives fail (at the latest "
-                "after the process group's timeout).") from error
+                f"{explain_failed_collective(pg.group)}") from error
 
     def _find_fused_parameters(self) -> None:
         if self._membership is not None:

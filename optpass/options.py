@@ -158,6 +158,20 @@ class Options:
         _check_combinations(options)
         return options
 
+    def across_ranks(self) -> list[tuple[str, Any]]:
+        """What about these options every rank of a data-parallel step must share: what changes its
+        collectives or its math, as (what, value) pairs (compared at the first compile)."""
+        scaler = self.grad_scaler
+        return [(f"option {name}", value) for name, value in (
+            ("optimizer_in_backward", self.optimizer_in_backward),
+            ("clip_grad_norm", self.clip_grad_norm),
+            ("accumulation_steps", self.accumulation_steps),
+            ("grad_scaler", None if scaler is None else repr(sorted(scaler.state_dict().items()))),
+            ("collectives", self.collectives),
+            ("lower", self.lower),
+            ("passes", self.passes),
+            ("disable_passes", tuple(sorted(self.disable_passes))))]
+
     def digest(self) -> str:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from optpass.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
 from optpass.mixed_precision import LOW_PRECISION, refuse_step_outside_the_compiled_step
+from optpass.rank_agreement import agree
 from optpass.zero1_state import adopt_unsharded_state, state_summary
 
 PARTITIONS = ("even", "greedy")
@@ -309,6 +310,7 @@ class ShardedOptimizer:
                 dtype = master_dtype if self.has_master(bucket) else p.dtype
                 self.shards[bucket.index] = torch.zeros(owned, dtype=dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
+        self.replicas: Replicas | None = None   # with the first compiled step (sharded_optimizer)
         self._stale_masters = {b.index for b in self.layout.buckets if b.index in self.shards}
         adopt_unsharded_state(self)          # eager steps, a plain checkpoint: this rank's rows of it
         self.refresh_masters()
@@ -405,10 +407,16 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
                       bucket_bytes: int | None = None,
                       names: dict[int, str] | None = None,
                       master_dtype: torch.dtype | None = None,
-                      order: list[int] | None = None) -> ShardedOptimizer:
+                      order: list[int] | None = None,
+                      step: list[tuple[str, Any]] | None = None,
+                      replicated: dict[str, torch.Tensor] | None = None) -> ShardedOptimizer:
     """The sharded state of `optimizer` on this rank (created once; later calls must agree, but
     for `order`: a state created without it, by load_sharded_checkpoint before the first step,
-    keeps DDP's reverse parameter order)."""
+    keeps DDP's reverse parameter order).
+
+    `step` (what the compiled step's options and hyper-parameters are, as (what, value) pairs) and
+    `replicated` (the frozen parameters and buffers it reads) come with the first compile of a
+    step: every rank must agree on them, and takes rank 0's `replicated` tensors (``Replicas``)."""
     pg = ProcessGroupInfo.of(process_group)
     existing = _SHARDED.get(optimizer)
     if existing is not None:
@@ -419,11 +427,19 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
                 f"{existing.pg.name}, partition {existing.partition!r}, bucket_bytes "
                 f"{existing.bucket_bytes}, master_weights {existing.master_dtype}; compile every step "
                 "that uses it, and call load_sharded_checkpoint, with the same options.")
+        if step is not None and existing.replicas is None:      # made by load_sharded_checkpoint
+            agree(pg.group, "zero1", step + Replicas.signature(replicated or {}))
+            existing.replicas = Replicas(pg, replicated or {})
         return existing
     refuse_non_elementwise(optimizer, master_dtype)      # every rank: the same verdict, before any collective
-    order = check_ranks_agree(optimizer, pg, partition, bucket_bytes, names, master_dtype, order)
+    agreed = signature(optimizer, partition, bucket_bytes, names, master_dtype)
+    if step is not None:
+        agreed += step + Replicas.signature(replicated or {})
+    order = agree(pg.group, "zero1", agreed, order)[0]   # rank 0's bucket order (each found its own)
     broadcast_parameters(optimizer, pg)
     sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)
+    if step is not None:
+        sharded.replicas = Replicas(pg, replicated or {})
     # an eager opt.step() with gradients would update every parameter with this rank's gradients
     # (and, with master_weights, bypass the masters): it raises
     optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
@@ -433,6 +449,52 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     optimizer.register_load_state_dict_pre_hook(refuse_plain_load_state_dict)
     _SHARDED[optimizer] = sharded
     return sharded
+
+
+class Replicas:
+    """What every rank holds the same besides the trained parameters: the frozen parameters and
+    the module buffers the step reads, as DDP keeps them. DDP broadcasts rank 0's parameters and
+    buffers when it wraps the model, and rank 0's buffers again before every forward
+    (``broadcast_buffers=True``): a BatchNorm's running statistics, which each rank updates on
+    its own batch, are rank 0's at the start of every step, so rank 0's equal one process's.
+
+    Here: rank 0's tensors when the step is first compiled, and before later calls the buffers
+    the step writes, found at its first call (their version changed; the same on every rank,
+    which runs the same graph), in one coalesced broadcast (see ``run`` for when)."""
+
+    BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024          # DDP's broadcast_bucket_size
+
+    def __init__(self, pg: ProcessGroupInfo, tensors: dict[str, torch.Tensor]):
+        self.pg, self.tensors = pg, tensors
+        self.written: list[torch.Tensor] | None = None       # learned at the first call
+        self._in_window = False                              # the last call was a micro-step
+        self._broadcast(list(tensors.values()))
+
+    @staticmethod
+    def signature(tensors: dict[str, torch.Tensor]) -> list[tuple[str, Any]]:
+        return [(f"frozen parameter or buffer {name}", (tuple(t.shape), str(t.dtype)))
+                for name, t in sorted(tensors.items())]
+
+    @torch.no_grad()
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        if tensors and self.pg.world > 1:
+            dist._broadcast_coalesced(self.pg.group, tensors, self.BROADCAST_BUCKET_BYTES, 0)
+
+    def run(self, call, args, micro_step: bool = False):
+        """``call(*args)`` after rank 0's written buffers reached this rank. As DDP: before every
+        step, but within an accumulation window only before its first micro-step (DDP syncs
+        buffers before a forward that follows a synchronizing one, not after a ``no_sync()`` one)."""
+        if self.written is None:                 # the first call: rank 0's, from the first compile
+            versions = [t._version for t in self.tensors.values()]
+            result = call(*args)
+            self.written = [t for t, v in zip(self.tensors.values(), versions)
+                            if t._version != v and not isinstance(t, torch.nn.Parameter)]
+        else:
+            if not self._in_window:
+                self._broadcast(self.written)
+            result = call(*args)
+        self._in_window = micro_step
+        return result
 
 
 def refuse_plain_state_dict(optimizer: torch.optim.Optimizer) -> None:
@@ -489,8 +551,8 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
                                     ("param groups", len(optimizer.param_groups))]
     for g, group in enumerate(optimizer.param_groups):
         settings = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
-                    for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
-        items.append((f"param group {g} hyper-parameters", repr(sorted(settings.items()))))
+                    for k, v in group.items() if k not in ("params", "initial_lr")}
+        items += [(f"param group {g} {key!r}", repr(value)) for key, value in sorted(settings.items())]
         items.append((f"param group {g} size", len(group["params"])))
     for index, (g, p) in enumerate(trainable_params(optimizer)):
         label = names.get(id(p), f"#{index}")
@@ -498,30 +560,6 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
     items.append(("the optimizer state held before sharding (parameter, keys, scalars; load the same "
                   "state on every rank)", state_summary(optimizer, [p for _, p in trainable_params(optimizer)])))
     return items
-
-
-def check_ranks_agree(optimizer, pg: ProcessGroupInfo, partition: str, bucket_bytes: int,
-                      names: dict[int, str] | None = None, master_dtype: torch.dtype | None = None,
-                      order: list[int] | None = None) -> list[int] | None:
-    """Every rank must train the same parameters with the same optimizer: compare with rank 0.
-    Returns rank 0's bucket `order`, which every rank then uses (each found it in its own graph)."""
-    mine = signature(optimizer, partition, bucket_bytes, names, master_dtype)
-    everyone: list = [None] * pg.world
-    dist.all_gather_object(everyone, (mine, order), group=pg.group)
-    reference, order = everyone[0]
-    for rank, (theirs, _) in enumerate(everyone):
-        for (what, ref_value), (_, value) in zip(reference, theirs):
-            if ref_value != value:
-                raise OptpassError(
-                    f"data_parallel='zero1': the ranks do not train the same model: {what} is "
-                    f"{ref_value!r} on rank 0 but {value!r} on rank {rank}. Every rank must build the "
-                    "same model and optimizer (same parameters, shapes, dtypes, groups and settings).")
-        if len(theirs) != len(reference):
-            raise OptpassError(
-                f"data_parallel='zero1': the ranks do not train the same model: rank 0 has "
-                f"{len(reference)} signature entries, rank {rank} has {len(theirs)} (a different "
-                "number of parameters or param groups).")
-    return order
 
 
 @torch.no_grad()

@@ -329,6 +329,8 @@ def gradient_labels(captured: CapturedGraph) -> tuple[dict[torch.fx.Node, frozen
             _label_foreach(node, labels, element_labels, label_of, set_label)
         elif _is_inplace(node) and isinstance(node.args[0], torch.fx.Node):
             target = node.args[0]
+            if not incoming and target not in labels:
+                continue             # no gradient flows into it (BatchNorm's num_batches_tracked.add_(1))
             set_label(target, labels.get(target, frozenset()) | incoming, at=node)
             set_label(node, labels[target])
         elif incoming:

@@ -1,0 +1,297 @@
+"""What each rank runs in tests/test_user_programs_distributed.py: the programs a data-parallel user
+writes, each beside what they would use instead (DDP, eager) on the same seeds.
+
+Every program is ``name(rank, world) -> dict`` and catches its own errors (``error`` holds the type
+and message), so that one process group runs them all (``run_all``) and a refusal on one program
+leaves the group usable for the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import optpass
+import optpass.rank_agreement
+
+STEPS = 6
+PER_RANK = 4
+
+
+def run_all(rank: int, world: int, names: list[str]) -> dict:
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = globals()[name](rank, world)
+            except Exception as error:  # noqa: BLE001  (the test reads it)
+                result = {"error": (type(error).__name__, str(error), traceback.format_exc())}
+        print(f"rank {rank}: {name}: {str(result)[:300]}", flush=True)
+        result["warnings"] = [str(w.message) for w in caught if "torch.jit" not in str(w.message)]
+        results[name] = result
+        dist.barrier()
+    return results
+
+
+def batch(step: int, rank: int, world: int, features: int = 6, classes: int | None = None):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(PER_RANK * world, features, generator=g)
+    y = (torch.randint(0, classes, (PER_RANK * world,), generator=g) if classes
+         else torch.randn(PER_RANK * world, 1, generator=g))
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def make_step(model, opt, loss_fn):
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def ddp_run(model, opt, loss_fn, rank, world, steps=STEPS, **ddp_kwargs):
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
+    for i in range(steps):
+        x, y = batch(i, rank, world)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def optpass_run(model, opt, loss_fn, rank, world, steps=STEPS, **options):
+    step = torch.compile(make_step(model, opt, loss_fn), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", **options})
+    for i in range(steps):
+        step(*batch(i, rank, world))
+    return model
+
+
+def worst(a: nn.Module, b: nn.Module) -> float:
+    tensors = list(zip(a.parameters(), b.parameters())) + list(zip(a.buffers(), b.buffers()))
+    return max((x.double() - y.double()).abs().max().item() for x, y in tensors)
+
+
+def spread(module: nn.Module) -> float:
+    """How far the ranks' parameters and buffers are apart (0: every rank holds the same)."""
+    flat = torch.cat([t.detach().double().reshape(-1) for t in (*module.parameters(), *module.buffers())])
+    lo, hi = flat.clone(), flat.clone()
+    dist.all_reduce(lo, dist.ReduceOp.MIN)
+    dist.all_reduce(hi, dist.ReduceOp.MAX)
+    return (hi - lo).abs().max().item()
+
+
+# ------------------------------------------------------------------ frozen parameters and buffers
+
+class WithFrozenAndBuffer(nn.Module):
+    """A frozen first layer and a buffer the forward reads, both random per rank (seed = rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(6, 8).requires_grad_(False)
+        self.head = nn.Linear(8, 1)
+        self.register_buffer("offset", torch.randn(8))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.frozen(x) + self.offset))
+
+
+def frozen_and_buffers(rank, world):
+    results = {}
+    for in_backward in (False, True):
+        torch.manual_seed(rank)                 # DDP users rely on its broadcast from rank 0
+        model = WithFrozenAndBuffer()
+        torch.manual_seed(rank)
+        reference = WithFrozenAndBuffer()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        torch._dynamo.reset()
+        optpass_run(model, opt, F.mse_loss, rank, world, optimizer_in_backward=in_backward)
+        ddp_run(reference, ref_opt, F.mse_loss, rank, world)
+        results[in_backward] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
+    return results
+
+
+# ------------------------------------------------------------------ BatchNorm in train mode
+
+def batchnorm_model():
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def batchnorm(rank, world):
+    results = {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = batchnorm_model()
+        torch.manual_seed(0)
+        reference = batchnorm_model()
+        # SGD: Adam would blow the rounding noise of the first Linear's bias (its gradient is 0
+        # before a BatchNorm) up to lr per step on both sides
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        torch._dynamo.reset()
+        optpass_run(model, opt, F.mse_loss, rank, world, optimizer_in_backward=in_backward)
+        ddp_run(reference, ref_opt, F.mse_loss, rank, world)       # broadcast_buffers=True: DDP's default
+        results[in_backward] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
+    return results
+
+
+def batchnorm_accumulation(rank, world):
+    """Two micro-steps per update: DDP broadcasts rank 0's buffers before every forward, no_sync too."""
+    torch.manual_seed(0)
+    model = batchnorm_model()
+    torch.manual_seed(0)
+    reference = batchnorm_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    options = {"optimizer": opt, "data_parallel": "zero1"}
+
+    def micro_step(x, y):
+        loss = F.mse_loss(model(x), y) / 2
+        loss.backward()
+        return loss.detach()
+
+    micro = torch.compile(micro_step, backend="optpass", options=options)
+    step = torch.compile(make_step(model, opt, lambda out, y: F.mse_loss(out, y) / 2), backend="optpass",
+                         options=options)
+    ddp = DistributedDataParallel(reference)
+    for i in range(STEPS):
+        x, y = batch(i, rank, world)
+        if i % 2 == 0:
+            micro(x, y)
+            with ddp.no_sync():
+                (F.mse_loss(ddp(x), y) / 2).backward()
+        else:
+            step(x, y)
+            (F.mse_loss(ddp(x), y) / 2).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return {"vs_ddp": worst(model, reference)}
+
+
+# ------------------------------------------------------------------ an optimizer over part of the model
+
+def optimizer_over_part(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)     # model[0] stays trainable
+    optpass_run(model, opt, F.mse_loss, rank, world, steps=1)
+    grad = model[0].weight.grad
+    return {"grad_spread": spread(nn.ParameterList([nn.Parameter(grad)])) if grad is not None else None}
+
+
+# ------------------------------------------------------------------ options that differ across ranks
+
+def _mlp_and_opt(lr=0.05):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def clip_on_rank_zero_only(rank, world):
+    model, opt = _mlp_and_opt()
+    optpass_run(model, opt, F.mse_loss, rank, world, steps=2, **({"clip_grad_norm": 1.0} if rank == 0 else {}))
+    return {}
+
+
+def in_backward_on_rank_zero_only(rank, world):
+    model, opt = _mlp_and_opt()
+    optpass_run(model, opt, F.mse_loss, rank, world, steps=2, optimizer_in_backward=rank == 0)
+    return {}
+
+
+def lr_tensor_differs(rank, world):
+    model, opt = _mlp_and_opt(lr=torch.tensor(0.05 * (rank + 1)))
+    optpass_run(model, opt, F.mse_loss, rank, world, steps=2)
+    return {}
+
+
+def grad_scaler_on_rank_zero_only(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = {"master_weights": torch.float32}
+    if rank == 0:
+        options["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+    def loss_fn(out, y):
+        return F.mse_loss(out.float(), y)
+
+    step = torch.compile(make_step(model, opt, loss_fn), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", **options})
+    for i in range(2):
+        x, y = batch(i, rank, world)
+        step(x.half(), y)
+    return {}
+
+
+def data_parallel_on_rank_zero_only(rank, world):
+    optpass.rank_agreement.UNDISTRIBUTED_GRACE_S = 3.0      # not a minute: the test waits for it
+    model, opt = _mlp_and_opt()
+    options = {"optimizer": opt, **({"data_parallel": "zero1"} if rank == 0 else {})}
+    step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass", options=options)
+    for i in range(2):
+        step(*batch(i, rank, world))
+    return {}
+
+
+# ------------------------------------------------------------------ evaluation, uneven calls
+
+def evaluation_without_no_grad(rank, world):
+    model, opt = _mlp_and_opt()
+    options = {"optimizer": opt, "data_parallel": "zero1"}
+    train = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass", options=options)
+    train(*batch(0, rank, world))
+
+    def evaluate(x, y):
+        return F.mse_loss(model(x), y)
+
+    x, y = batch(1, rank, world)
+    got = torch.compile(evaluate, backend="optpass", options=options)(x, y)
+    return {"diff": (got - evaluate(x, y)).abs().item()}
+
+
+def ddp_model_compiled_with_optpass(rank, world):
+    """A DDP user who only swaps the backend: DDP's all-reduce runs in autograd hooks."""
+    results = {}
+    for options in ({}, {"optimizer": None}):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        torch.manual_seed(rank)
+        reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        if "optimizer" in options:
+            options = {"optimizer": opt, "optimizer_in_backward": True}
+        torch._dynamo.reset()
+        step = torch.compile(make_step(ddp, opt, F.mse_loss), backend="optpass", options=options)
+        for i in range(3):
+            step(*batch(i, rank, world))
+        ddp_run(reference, ref_opt, F.mse_loss, rank, world, steps=3)
+        results[str(sorted(options))] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
+    return results
+
+
+def one_rank_calls_the_step_once_more(rank, world):
+    """Rank 1 has one batch more than rank 0: its last call waits alone."""
+    model, opt = _mlp_and_opt()
+    step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1"})
+    for i in range(2 + rank):
+        step(*batch(i, rank, world))
+    if rank == 0:       # goes on to something else (evaluation, saving) while rank 1 waits
+        dist.distributed_c10d._get_default_store().wait(["optpass/agreement/failed/1"], datetime.timedelta(seconds=120))
+    return {}
