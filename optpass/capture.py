@@ -199,12 +199,13 @@ class CapturedGraph:
 # ---------------------------------------------------------------- names
 
 _ROOT = re.compile(r"^[LG]\['([^']*)'\]")
+_CLOSURE_CELL = re.compile(r"^.*\.cell_contents")
 _PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.(\w+)|\['([^']+)'\]|\[(\d+)\]")
 
 
 def module_path(source: str) -> str:
     """`G['model']._modules['0']._parameters['weight']` -> `0.weight`."""
-    rest = _ROOT.sub("", source)
+    rest = _CLOSURE_CELL.sub("", _ROOT.sub("", source))      # a model a nested function closes over
     parts = [next(g for g in m.groups() if g is not None) for m in _PART.finditer(rest)]
     return ".".join(parts) if parts else source
 

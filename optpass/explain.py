@@ -98,7 +98,10 @@ def _mb(nbytes: int) -> str:
 
 def _describe(index: int, g: GraphReport) -> list[str]:
     d = g.to_dict()
-    lines = [f"[graph {index}] {g.kind.value} (Dynamo compile {d['compile_id']}): {_KIND_TEXT[g.kind]}"]
+    per_sample = any(p.name == "per_sample_grad_norm" and (p.status == "applied" or p.notes) for p in g.passes)
+    kind, text = ("dp-sgd", "per-sample gradients with torch.func (DP-SGD): each layer below is rewritten or "
+                  "says why not") if per_sample else (g.kind.value, _KIND_TEXT[g.kind])
+    lines = [f"[graph {index}] {kind} (Dynamo compile {d['compile_id']}): {text}"]
     if d["split_reason"]:
         lines.append(f"    split by a graph break at {d['split_line']}: {d['split_reason']}")
     if d["backward_line"]:

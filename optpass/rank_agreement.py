@@ -151,7 +151,7 @@ def _compare(kind: str, signatures: list[list[tuple[str, Any]]]) -> None:
                 "number of parameters, buffers or param groups).")
 
 
-def explain_failed_collective(group, waited_s: float = 2.0) -> str:
+def explain_failed_collective(group, waited_s: float = 1.0) -> str:
     """This rank's step failed (a collective broke off, or its own error): post that to the store
     and say what the other ranks did, for the error message. A rank whose collective broke off
     while no other rank reports a failure was left alone: the others stopped calling the step."""

@@ -594,3 +594,12 @@ class TestEmbeddingGraph(TestCase):
 +mul_3: f32[13, 4] = aten.mul.Tensor(randn_like_0, 0.5)
 +add_1: f32[13, 4] = aten.add.Tensor(view_12, mul_3)
 +div_2: f32[13, 4] = aten.div.Tensor(add_1, 6)""")
+
+
+def test_explain_names_each_layer_rewritten_kept_or_left_as_traced_and_calls_the_graph_dp_sgd():
+    (model, opt), _ = twins()
+    text = str(optpass.explain(make_dp_step(model, opt), *batch(0, 5)))
+    assert "dp-sgd (Dynamo compile" in text and "] other (" not in text
+    assert "0.weight (Linear weight [16, 8]): rewritten" in text
+    assert "2.weight (Linear weight [4, 16]): per-sample gradient [B=6, 4, 16]: kept materialized" in text
+    assert "left as traced (2): 0.bias, 2.bias" in text

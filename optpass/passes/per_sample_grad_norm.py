@@ -149,27 +149,62 @@ def run(step, options) -> str | None:
     # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
     # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
     in_sums = set()
+    shapes, named = _parameters_by_shape(step), set()
     for summed in _outermost_sums(step, candidates, options.dp_materialize):
         why_not = _rewrite(step, summed)
         in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
-        if why_not is None:
-            rewritten += 1
-        elif why_not:
-            step.notes.append(f"{summed.root.name}: {why_not}")
+        rewritten += why_not is None
+        _note(step, summed, why_not, shapes, named)
     for candidate in candidates:
         if candidate.root in in_sums:
             continue
-        node = candidate.root
         why_not = _rewrite(step, candidate)
-        if why_not is None:
-            rewritten += 1
-        elif why_not:
-            step.notes.append(f"{node.name}: {why_not}")
+        rewritten += why_not is None
+        _note(step, candidate, why_not, shapes, named)
+    if candidates:
+        _note_the_others(step, shapes, named)
     if not rewritten:
         return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
                                          "Embedding scatter) used for norms")
     graph.eliminate_dead_code()
     return None
+
+
+def _parameters_by_shape(step) -> dict[tuple[int, ...], list[str]]:
+    found: dict[tuple[int, ...], list[str]] = {}
+    for p in step.captured.params:
+        if p.tensor is not None:
+            found.setdefault(tuple(p.tensor.shape), []).append(p.name)
+    return found
+
+
+def _note(step, candidate: _Candidate, why_not: str | None, shapes, named: set[str]) -> None:
+    """What explain says of a per-sample gradient: its layer (the parameter of its shape, [rows,
+    columns], or [columns, rows] for a weight stored transposed such as Hugging Face's Conv1D)
+    and whether it was rewritten, or why not."""
+    rows, columns = candidate.size_of["r"], candidate.size_of["c"]
+    names = []
+    if isinstance(rows, int) and isinstance(columns, int):
+        names = shapes.get((rows, columns)) or shapes.get((columns, rows)) or []
+    named.update(names)
+    kind = "Embedding" if "Embedding" in candidate.what else "Linear"
+    layer = (f"{names[0]} ({kind} weight [{rows}, {columns}])" if len(names) == 1
+             else f"{kind} weight [{rows}, {columns}]" + (f" (one of {', '.join(names)})" if names else ""))
+    if why_not is None:
+        step.notes.append(f"{layer}: rewritten (norms without the [B, {rows}, {columns}] per-sample gradient, "
+                          "one clipped sum)")
+    elif why_not:
+        step.notes.append(f"{layer}: {why_not}")
+
+
+def _note_the_others(step, shapes, named: set[str]) -> None:
+    """The parameters no candidate stands for: their per-sample gradients are B x the parameter
+    (a bias, a norm's weight, a position table's slice), made from tensors backward holds anyway."""
+    others = [name for names in shapes.values() for name in names if name not in named]
+    if others:
+        step.notes.append(f"left as traced ({len(others)}): {', '.join(others[:12])}"
+                          f"{' ...' if len(others) > 12 else ''}: no per-sample outer product or "
+                          "scatter; a per-sample gradient of B x the parameter cannot be smaller")
 
 
 def _is_outer_product_over_tokens(node: torch.fx.Node) -> bool:
