@@ -1,7 +1,7 @@
 """What every benchmark here measures the same way: Linux process memory and CPU time.
 
 * ``proc_status_kib("VmHWM")`` read before any reset: the whole run's peak RSS, what
-  decides whether a model fits (DESIGN.md, Measuring);
+  decides whether a model fits (docs/design.md, Measuring);
 * ``reset_peak_rss()`` then ``proc_status_kib("VmHWM")``: the steady-state peak RSS
   of the steps that ran in between.
 * ``cpu_busy_s()`` / ``children_cpu_s()``: how busy the machine and our children

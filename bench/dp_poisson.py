@@ -9,7 +9,7 @@ on twin copies of the model, timed in interleaved blocks (medians over ``--round
 
 * ``static``   -- compiled for exactly this batch size (``dynamic=False``): the reference, what a
   fixed-size batch costs; with Poisson sampling it would recompile for every new size;
-* ``bucket``   -- the README's recipe: ``optpass.pad_batch(x, y, multiple=--multiple)`` pads to the
+* ``bucket``   -- docs/dp_sgd.md's recipe: ``optpass.pad_batch(x, y, multiple=--multiple)`` pads to the
   next multiple (``dynamic=False``: one compile per bucket), the mask zeroes the padded
   examples' clip coefficients;
 * ``symbolic`` -- ``torch._dynamo.mark_dynamic`` on the batch dimension: one compile with B

@@ -39,7 +39,7 @@ process (its own empty ``TORCHINDUCTOR_CACHE_DIR``, ``--threads`` threads):
   bucket (goal <= 8.5 per rank at 2 ranks). Each rank trains on its own batch of
   the same size.
 
-Memory is what a user sees (DESIGN.md, "Measuring"): ``VmHWM`` from
+Memory is what a user sees (docs/design.md, "Measuring"): ``VmHWM`` from
 ``/proc/self/status``, the process's peak RSS since it started (imports, model,
 compile, warm-up, measured steps), read before anything resets it; B/param =
 (peak - baseline) / parameters, the baseline being RSS after the imports and after

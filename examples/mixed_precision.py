@@ -257,13 +257,13 @@ for i in range(12):
 # * With `optimizer_in_backward=True` each master is updated as soon as its gradient is
 #   final; without it, after backward. Either way no step keeps an fp32 copy of the gradients.
 # * With `data_parallel="zero1"` each rank keeps only its shard of the fp32 masters and
-#   of the state (README, "With ZeRO-1: masters sharded").
+#   of the state (docs/mixed_precision.md, "With ZeRO-1: masters sharded").
 # * `grad_scaler`: fp16 dynamic loss scaling with torch.amp.GradScaler's semantics inside
 #   the step, gradient accumulation included (micro-steps compiled with the same options);
 #   `clip_grad_norm` clips the fp32 (unscaled) gradients. Both work with
-#   `data_parallel="zero1"` too (README).
+#   `data_parallel="zero1"` too (docs/mixed_precision.md).
 # * With `data_parallel="zero1"` gradient accumulation works too (micro-steps compiled with
-#   the same options, the update after backward: each rank's sums reduced in fp32, README).
+#   the same options, the update after backward: each rank's sums reduced in fp32, docs/zero1.md).
 # * Not yet: gradient accumulation with `optimizer_in_backward` and a scaler, or with
 #   `optimizer_in_backward` under `data_parallel="zero1"`; optpass refuses them with an
 #   error that says so.

@@ -1,11 +1,11 @@
 """Capture: what Dynamo hands the backend, and the role of each of its values.
 
-A training step compiles into several Dynamo graphs (DESIGN.md facts 1-3):
+A training step compiles into several Dynamo graphs (docs/design.md §1-§3):
 
 * a **step** graph: forward + ``torch.autograd.grad`` (the traced
   ``loss.backward()``) + gradient transforms; each new gradient is an output
   that Dynamo assigns to ``p.grad`` after the graph runs;
-* a **forward** graph: forward only, when ``backward()`` graph-broke (fact 19);
+* a **forward** graph: forward only, when ``backward()`` graph-broke (docs/design.md §4);
   the backward then runs from eager autograd, outside optpass's reach;
 * a **model** graph: a forward with no ``backward()`` in the compiled code (the model
   compiled alone, an evaluation): nothing to warn of or rewrite;
@@ -51,14 +51,14 @@ _WARNED_UPDATES: set[tuple[int, ...]] = set()
 
 
 def enable_backward_capture() -> None:
-    """Make Dynamo trace `loss.backward()` into the step's graph (fact 1).
+    """Make Dynamo trace `loss.backward()` into the step's graph (docs/design.md §1).
 
     This is process-wide Dynamo config: `torch.compile` gives a backend no
     per-compile hook that runs before tracing, and it is inert for code that
     never calls backward() inside a compiled function.
 
     Also: logging calls in compiled code are skipped instead of breaking the
-    graph (fact 23). A model's forward that logs (Hugging Face's
+    graph (docs/design.md §5). A model's forward that logs (Hugging Face's
     ``logger.warning_once`` in the loss) would otherwise split the step before
     backward(), and backward would run outside anything optpass can rewrite.
     And Dynamo's note on torch.optim's own profiler record_function is dropped
@@ -421,10 +421,11 @@ def _capture_step(placeholders, grad_calls, nodes, **common) -> CapturedGraph:
 def _refuse_post_accumulate_grad_hooks(params: list[Parameter]) -> None:
     hooked = [p.name for p in params if getattr(p.tensor, "_post_accumulate_grad_hooks", None)]
     if hooked:
+        # a traced backward skips these hooks (docs/design.md §6)
         raise OptpassError(
             f"parameter(s) {', '.join(hooked)} have post-accumulate-grad hooks "
             "(Tensor.register_post_accumulate_grad_hook). When backward() is traced into the "
-            "compiled step these hooks do not run (DESIGN.md fact 13), so training would silently "
+            "compiled step these hooks do not run, so training would silently "
             "differ. Remove the hooks (for optimizer-in-backward use "
             "options={'optimizer_in_backward': True}), or run this step without torch.compile.")
 
@@ -458,7 +459,7 @@ def _capture_update(placeholders, gm, **common) -> CapturedGraph:
 
 
 def warn_backward_outside(captured: CapturedGraph) -> None:
-    """Warn once per source line that backward() runs outside the compiled step (fact 19)."""
+    """Warn once per source line that backward() runs outside the compiled step (docs/design.md §4)."""
     where = captured.split_line
     key = (where.file, where.line) if where else ("?", 0)
     if key in _WARNED_LINES:
@@ -475,7 +476,7 @@ def warn_if_update_recompiles(captured: CapturedGraph) -> None:
     """An LR scheduler with a float lr that Dynamo specializes recompiles the update every step.
 
     After 8 recompiles Dynamo silently runs the optimizer eagerly; say so on the
-    third compile of the same optimizer, with the fix (a tensor lr is a graph input, DESIGN.md fact 5).
+    third compile of the same optimizer, with the fix (a tensor lr is a graph input, docs/design.md §18, §34).
     Two compiles are normal (the first step creates the optimizer's state), and
     Dynamo turns a changed float into an input once if it can (then the graph has
     a hyper-parameter input and nothing is wrong).

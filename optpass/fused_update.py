@@ -13,7 +13,7 @@ place is part of the window (``_Session``).
 Every update is fused, the first one included: the update is harvested from
 torch.optim (``harvest.py``) for the optimizer's state *as it is now*, the step
 graph gets the optimizer's state tensors and each group's lr as extra inputs
-(fact 22), and the ``optimizer_in_backward`` pass splices each parameter's
+(docs/design.md §19), and the ``optimizer_in_backward`` pass splices each parameter's
 update in after its gradient is final. So no step of the run holds more than a
 few gradients at once — the whole run's peak is the fused step's:
 
@@ -37,7 +37,7 @@ GradScaler skips ``opt.step()`` entirely.
 
 Either way the fused parameters' gradient outputs are ``None``: ``p.grad`` is
 None after the step and the ``opt.step()`` in the step has nothing to do
-(fact 4). State lives in ``opt.state`` as always, read afresh at every call, so
+(docs/design.md §17). State lives in ``opt.state`` as always, read afresh at every call, so
 ``state_dict()``/``load_state_dict()`` keep working. A float lr is copied into
 a 0-d tensor input at every call (a scheduler never causes a recompile); any
 other hyper-parameter is part of the harvested update, so changing it is an

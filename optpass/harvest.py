@@ -1,7 +1,7 @@
 """Harvest an optimizer's update as an aten graph, from torch.optim's own code.
 
 The update math is never rewritten by optpass: ``torch.compile(opt.step)`` with
-a backend that records the graph and runs nothing (DESIGN.md fact 5) yields
+a backend that records the graph and runs nothing (docs/design.md §18) yields
 torch.optim's update for every parameter, and AOTAutograd turns it into a
 functional aten graph whose in-place writes are ``copy_`` into the parameter
 and state placeholders. optpass then slices that graph per parameter.

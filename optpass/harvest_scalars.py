@@ -2,7 +2,7 @@
 
 Precondition: torch.optim's step reads tensor values into Python numbers
 (``step_t.item()``, ``param.norm().item()``) and branches on them with ``min`` /
-``max``. Traced the usual way that is a graph break (DESIGN.md fact 5 needs
+``max``. Traced the usual way that is a graph break (docs/design.md §18 needs
 one graph); traced with ``capture_scalar_outputs`` the numbers are unbacked
 SymFloats, and a float ``lr`` compared with them has to be symbolic too
 (``specialize_float=False``), or ``min(lr, ...)`` bakes it in.

@@ -1,7 +1,7 @@
 """Lowering: where the pass pipeline runs, and what runs the rewritten graph.
 
 * ``inductor`` (default): ``compile_fx`` with the pipeline handed to Inductor as
-  a ``post_grad_custom_pre_pass`` ``CustomGraphPass`` (fact 12). Inductor keeps
+  a ``post_grad_custom_pre_pass`` ``CustomGraphPass`` (docs/design.md §12). Inductor keeps
   its joint-graph passes and partitioner, and the ``uuid()`` (optpass's source,
   the selected passes, the graph's roles) keeps the FX graph cache hitting.
 * ``eager``: AOTAutograd's aten graph, rewritten by the same pipeline, run as

@@ -5,7 +5,7 @@ path) or on Inductor's post-grad graph (the default path). Neither carries
 names: placeholders and outputs only carry AOTAutograd descriptors
 (``PlainAOTInput(idx)``, ``ParamAOTInput(target)``, ``PlainAOTOutput(idx)``)
 that point back at the Dynamo graph. ``StepGraph`` joins those descriptors with
-the roles ``capture`` found at the Dynamo level (fact 20: the mapping must come
+the roles ``capture`` found at the Dynamo level (docs/design.md §21: the mapping must come
 from there, not from shapes):
 
 * ``param_nodes[name]``     the placeholder holding parameter ``name``
@@ -66,7 +66,7 @@ class StepGraph:
         return detect_fake_mode([n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
 
     def set_fake_value(self, node: torch.fx.Node) -> None:
-        """Later Inductor passes read meta['val'] of every node (fact 22): run the op on fake inputs."""
+        """Later Inductor passes read meta['val'] of every node (docs/design.md §20): run the op on fake inputs."""
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = node.target(*args, **kwargs)
@@ -259,7 +259,7 @@ def is_view(node: torch.fx.Node) -> bool:
 
 
 def _materializes_gradient(node: torch.fx.Node) -> bool:
-    """Dynamo's `empty_like(p).copy_(g)` that turns a traced gradient into `p.grad` (fact 1)."""
+    """Dynamo's `empty_like(p).copy_(g)` that turns a traced gradient into `p.grad` (docs/design.md §1)."""
     aten = torch.ops.aten
     if node.target is aten.empty_like.default:
         return bool(node.users) and all(u.target is aten.copy.default and u.args[0] is node

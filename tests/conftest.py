@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Dynamo caches per code object: every test starts from a clean cache (DESIGN.md, test traps)."""
+    """Dynamo caches per code object: every test starts from a clean cache (docs/design.md, Measuring)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)

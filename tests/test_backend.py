@@ -72,7 +72,7 @@ step(x, y); step(x, y)
 
 
 def make_step(model, opt, tail_returns_loss=False):
-    if tail_returns_loss:  # the tutorial shape: reads loss after opt.step() (fact 19)
+    if tail_returns_loss:  # the tutorial shape: reads loss after opt.step() (docs/design.md §4)
         def train_step(x, y):
             loss = F.mse_loss(model(x), y)
             loss.backward()
@@ -111,7 +111,7 @@ def test_step_graph_holds_forward_backward_and_names_every_gradient():
     names = [n for n, _ in model.named_parameters()]
     assert [p.name for p in step_graph.captured.params] == names
     assert sorted(step_graph.captured.gradient_outputs) == sorted(names)
-    # fact 3: the update graph's gradient placeholders are the step graph's gradient outputs
+    # docs/design.md §3: the update graph's gradient placeholders are the step graph's gradient outputs
     assert sorted(update_graph.captured.gradient_inputs) == sorted(names)
     assert set(step_graph.regions) == {"forward", "backward"}
     assert update_graph.regions == {"update": update_graph.aten_ops_after}

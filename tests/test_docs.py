@@ -151,7 +151,6 @@ def test_every_citation_of_design_md_names_a_fact_that_is_there():
 OUTSIDE = re.compile(r"DESIGN\.md|\bDESIGN\b|\.\./shared|\bshared/|/work/|\bfacts?\s+\d+")
 
 
-@pytest.mark.xfail(strict=True, reason="citations are rewritten after the package move")
 def test_nothing_cites_a_file_outside_the_repository():
     """Code, tests, benches, examples and pyproject cite docs/design.md §N, never a file a clone lacks."""
     hits = []

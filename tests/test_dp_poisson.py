@@ -1,6 +1,6 @@
 """DP-SGD with Poisson sampling: a different batch size every step, 0 included, without a compile per size.
 
-Recipe (README, "Poisson sampling"): pad each batch to a few sizes with ``optpass.pad_batch``
+Recipe (docs/dp_sgd.md, "Poisson sampling"): pad each batch to a few sizes with ``optpass.pad_batch``
 and zero the padded examples' clip coefficients with its mask; normalise by the expected batch
 size q·N (Opacus's ``expected_batch_size``). The reference is the plain DP-SGD step on the
 unpadded Poisson batch, eager: same clipped sum, same noise (same seed), B = 0 included.
@@ -30,7 +30,7 @@ MULTIPLE = 4                         # batches padded to 4 or 8 examples
 
 
 def make_poisson_step(model, opt, padded):
-    """The DP-SGD step of README's recipe. ``padded``: takes (x, y, mask) and zeroes the padded
+    """The DP-SGD step of docs/dp_sgd.md's recipe. ``padded``: takes (x, y, mask) and zeroes the padded
     examples' clip coefficients; else the plain step on (x, y) of any size B >= 0 (eager reference)."""
     def loss_of_params(params, x, y):
         return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))

@@ -2,7 +2,7 @@
 
 Dynamo recompiles a step once with the changing size symbolic (automatic dynamic) and
 hands the backend a graph with SymInt inputs; optpass must compile the fused graph from
-those symbolic inputs, not from the tensors of one call (DESIGN.md fact 24).
+those symbolic inputs, not from the tensors of one call (docs/design.md §7).
 """
 
 import pytest

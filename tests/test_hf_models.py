@@ -18,7 +18,7 @@ float32 rounding (``F32_LOSS``), although it came out bit-identical here.
 Hugging Face specifics seen here:
 
 * GPT-2 with ``labels=`` logs with ``logger.warning_once`` inside its loss; optpass has Dynamo
-  skip logging calls (DESIGN.md fact 23), so the step stays one graph.
+  skip logging calls (docs/design.md §5), so the step stays one graph.
 * The image classifiers' loss sets ``config.problem_type`` at the first call, which Dynamo
   guards on: a second compile at step 2, under any backend. The tests set it up front (as a
   fine-tuning script that knows its task does) to compile once.

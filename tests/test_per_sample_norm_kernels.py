@@ -285,7 +285,7 @@ def test_gradients_match_einsum(method):
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_op_under_torch_compile_on_cpu(backend, dynamic):
-    """An opaque custom_op never routes CPU tensors into Triton (no '0 active drivers', DESIGN fact 16)."""
+    """An opaque custom_op never routes CPU tensors into Triton (no '0 active drivers', docs/design.md §30)."""
     from torch._dynamo.utils import counters
 
     def clip_coefficients(x, g):

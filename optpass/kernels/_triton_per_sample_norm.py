@@ -8,15 +8,15 @@ per-sample gradients anywhere:
   It accumulates the tile of G_i^T X_i over T in BLOCK_T steps with ``tl.dot``
   (fp32 accumulator), squares it in registers and reduces the tile to one
   scalar. Cost ~2·B·T·in·out FLOPs, reads X_i and G_i once per tile.
-* ``_ghost_sq_norm_kernel`` — uses n_i = <X_i X_i^T, G_i G_i^T>_F (DESIGN fact
-  18). One program per (sample, t-block x s-block) tile of the [T, T] Gram
+* ``_ghost_sq_norm_kernel`` — uses n_i = <X_i X_i^T, G_i G_i^T>_F (docs/design.md
+  §32). One program per (sample, t-block x s-block) tile of the [T, T] Gram
   matrices: both Gram tiles are built in registers with ``tl.dot`` over the in
   and out dimensions, multiplied elementwise and reduced. The Grams are
   symmetric, so only tiles with s-block >= t-block do work and off-diagonal
   tiles count twice. Cost ~2·B·T²·(in+out) FLOPs (half that with the symmetry)
   and no T x T buffer at all.
 
-Which is cheaper is the cost model of DESIGN fact 18: ghost when
+Which is cheaper is the cost model of docs/design.md §32: ghost when
 2·T² <= in·out (``choose_norm_method`` in per_sample_norm.py).
 
 Why no atomics: every program writes its own slot of a [B, n_tiles] fp32
@@ -24,7 +24,7 @@ partials buffer and the host sums it with ``torch.sum``. The result is
 deterministic (no float atomics whose order varies run to run) and there is no
 Split-K barrier — the seed's fused kernel lost to plain materialisation at long
 sequences partly because of its atomic_add + spin-wait reduction
-(shared/background/dp-per-sample-norm-experiments.md). The partials buffer is
+(docs/design.md §33). The partials buffer is
 tiny (B x n_tiles floats) next to the inputs.
 
 Inputs are fp32, bf16 or fp16; 16-bit tiles go to ``tl.dot`` as they are
@@ -32,8 +32,8 @@ Inputs are fp32, bf16 or fp16; 16-bit tiles go to ``tl.dot`` as they are
 results are not rounded to TF32. Everything else is cast to fp32 first.
 
 These kernels run on whatever device the tensors live on: on CUDA normally, on
-CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported; DESIGN
-fact 8) — that is how the tests check them on machines without a GPU.
+CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported; docs/design.md
+§29) — that is how the tests check them on machines without a GPU.
 """
 
 from __future__ import annotations

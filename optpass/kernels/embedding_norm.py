@@ -4,8 +4,8 @@ For sample b with token ids x_b [T] and output gradients g_b [T, d] (the
 gradient reaching the embedding's output), the per-sample gradient of the
 [vocab, d] weight is E_b = sum_t onehot(x_bt) g_btᵀ: row v holds the sum of
 the g_bt of the tokens with id v. After tracing ``vmap(grad(loss))`` the graph
-materialises all B of them as one scatter into [B·vocab, d] (DESIGN fact 17's
-Embedding counterpart); DP-SGD only needs ||E_b||² and the clipped sum
+materialises all B of them as one scatter into [B·vocab, d] (docs/design.md §31);
+DP-SGD only needs ||E_b||² and the clipped sum
 sum_b c_b E_b. Two exact ways to get ||E_b||² from the tokens alone:
 
 * ghost   — the Gram form over the sample's tokens

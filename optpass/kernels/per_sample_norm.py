@@ -4,9 +4,9 @@ For sample i with input X_i [T, in] and output gradient G_i [T, out] the
 per-sample weight gradient is G_i^T X_i [out, in]. DP-SGD only needs its
 squared Frobenius norm n_i and, later, the clipped sum sum_i c_i G_i^T X_i.
 After tracing ``vmap(grad(loss))`` the graph materialises all B gradients with
-a ``bmm`` (DESIGN fact 17); the DP pass swaps that for this op and one GEMM.
+a ``bmm`` (docs/design.md §31); the DP pass swaps that for this op and one GEMM.
 
-Two ways to get n_i (DESIGN fact 18):
+Two ways to get n_i (docs/design.md §32):
 
 * direct — n_i = sum over (o, j) of (G_i^T X_i)[o, j]^2, computed tile by tile.
   ~2·B·T·in·out FLOPs; memory: one tile (Triton) or a bounded chunk (CPU).
@@ -38,7 +38,7 @@ API:
 
 Why a ``custom_op`` whose CUDA kernel calls Triton, and not a ``triton_op``
 with a CPU kernel: under torch.compile a ``triton_op``'s Triton body is traced
-even for CPU tensors and fails with "0 active drivers" (DESIGN fact 16). The
+even for CPU tensors and fails with "0 active drivers" (docs/design.md §30). The
 opaque op dispatches by device at run time, so the CPU path never touches
 Triton and importing this module does not import triton.
 
@@ -246,7 +246,7 @@ def triton_per_sample_grad_sq_norm(x: Tensor, g: Tensor, method: str = "auto", *
 
 
 def per_sample_clipped_weight_grad(x: Tensor, g: Tensor, coef: Tensor) -> Tensor:
-    """sum_i coef_i · G_i^T X_i [out, in] as ONE GEMM over the B·T rows (book-keeping, DESIGN fact 18).
+    """sum_i coef_i · G_i^T X_i [out, in] as ONE GEMM over the B·T rows (book-keeping, docs/design.md §32).
 
     coef [B] (e.g. min(1, C / ||grad_i||)) scales each sample's rows of G; the
     result has g's dtype (coef is cast to it), like the weight gradient it replaces.

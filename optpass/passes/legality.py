@@ -22,7 +22,7 @@ Refuses, with the user's source line, why, and what to do instead:
   all_to_all), or ``pipeline_parallel_degree`` / ``expert_parallel_degree`` > 1
   in the options;
 * a step whose backward ran outside the graph (it cannot be proved on a step it
-  could not see, fact 19).
+  could not see, docs/design.md §4).
 
 ``check_grad_scaler`` (options grad_scaler) proves, on the same labels, that the
 step hands ``opt.step()`` its raw gradients (code between backward and the update

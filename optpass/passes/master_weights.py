@@ -24,7 +24,7 @@ the other. Every updated parameter's gradient output slot becomes ``None``.
 Effect: the update happens in fp32 on the master, so updates smaller than half a
 ulp of a bf16 weight accumulate instead of being lost; the model's parameters are
 the masters rounded. ``p.grad`` is None after the step and the step's
-``opt.step()`` has nothing to do (fact 4). With optimizer_in_backward each
+``opt.step()`` has nothing to do (docs/design.md §17). With optimizer_in_backward each
 half-precision gradient dies at its update, and no fp32 gradient buffer exists
 (one fp32 gradient at a time).
 

@@ -11,7 +11,7 @@ and its state is copied into the step graph, its placeholders bound to
 ``p``, ``p``'s final gradient, ``p``'s state inputs and its group's lr, and
 placed right after the last node that the update must follow: the node that
 makes the gradient final (every contribution accumulated, e.g. tied weights)
-and every read of ``p``'s old value, views included (fact 21). The slice
+and every read of ``p``'s old value, views included (docs/design.md §22). The slice
 ends with in-place ``copy_`` writes into ``p`` and its state; ``p``'s gradient
 output slot becomes ``None``.
 
@@ -22,7 +22,7 @@ finds the inf (``loss_scaling.py``).
 
 Effect: the gradient's last use is its update, so it dies there: at most a few
 gradients are live at a time instead of all of them; ``p.grad`` is None after
-the step and ``opt.step()`` has nothing to do (fact 4).
+the step and ``opt.step()`` has nothing to do (docs/design.md §17).
 
 Refuses (via legality): coupled gradients (global clipping, GradScaler),
 pipeline/expert parallelism, a step whose backward ran outside the graph.

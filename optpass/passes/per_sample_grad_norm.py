@@ -2,7 +2,7 @@
 [B, out, in] / [B, vocab, d] tensors.
 
 Precondition: a graph of a DP-SGD step written with ``torch.func.vmap(grad(...))``
-(DESIGN.md fact 17) in which a weight's per-sample gradient P is used only (through
+(docs/design.md §31) in which a weight's per-sample gradient P is used only (through
 views) by
   * its per-sample squared norm: ``sum(pow(view(P, [B, -1]), 2), dim=1)`` -> [B], and
   * the clipped sum ``einsum("b,b...->...", coef, P)``, lowered as a ``bmm`` that
@@ -21,7 +21,7 @@ where P is one of
 Rewrite, per such weight:
   * Linear: the squared norm becomes ``optpass::per_sample_grad_sq_norm(X, G, "auto")``
     (optpass/kernels): a fused Triton kernel on CUDA (direct, or ghost norm
-    <X Xᵀ, G Gᵀ> when 2T² <= in·out, fact 18), a memory-bounded torch path on CPU;
+    <X Xᵀ, G Gᵀ> when 2T² <= in·out, docs/design.md §32), a memory-bounded torch path on CPU;
     the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
     (book-keeping: no second backward).
     Book-keeping keeps the layer's X [B, T, in] and G [B, T, out] alive until the clip
@@ -58,7 +58,7 @@ A symbolic batch size (``torch._dynamo.mark_dynamic``, automatic dynamic) is rew
 way: no decision depends on B (``dp_materialize='auto'`` compares per-sample sizes), and the
 views and GEMM the rewrite emits take B (and B·T) from the graph's inputs (``StepGraph.emit``).
 With Poisson sampling, vmap itself specializes B for ``cross_entropy`` and ``nn.Embedding``;
-the README's recipe pads batches to a few static sizes instead (``optpass.pad_batch``).
+docs/dp_sgd.md's recipe pads batches to a few static sizes instead (``optpass.pad_batch``).
 
 Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
 O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)

@@ -1,6 +1,6 @@
 """Pass shard_optimizer: ZeRO-1 inside the compiled step, with functional collectives.
 
-Precondition: a step graph (forward + backward, fact 19's supported shape) whose
+Precondition: a step graph (forward + backward, the supported shape of docs/design.md §4) whose
 gradients are the raw gradients of autograd (legality: no gradient transform
 runs before the update, since the gradients are averaged across ranks here);
 the bucket layout and this rank's shard optimizer (``optpass/zero1.py``); the
@@ -9,7 +9,7 @@ shard optimizer's update harvested from torch.optim (``harvest.py``: one
 each group's lr as extra inputs (``fused_update.ShardedStep`` adds them).
 
 Rewrite, per bucket, in three stages; a functional collective (``_c10d_functional``,
-facts 7, 15) runs in the background from its call until its ``wait_tensor``:
+docs/design.md §24, §25) runs in the background from its call until its ``wait_tensor``:
 
     started  = <reduce>(cat(view(g, [-1]) ...))        # 1. as soon as the bucket's gradients are final
     chunk    = <wait>(started)                          # 2. this rank's averaged gradients
@@ -19,7 +19,7 @@ facts 7, 15) runs in the background from its call until its ``wait_tensor``:
     copy_(p, view(slice_scatter(...(flat(p), full[piece of p])...), p.shape))   # each parameter
 
 and every bucketed gradient's output slot becomes None (``p.grad`` stays None,
-the step's ``opt.step()`` does nothing: fact 4).
+the step's ``opt.step()`` does nothing: docs/design.md §17).
 
 Collectives (option ``collectives``, a key of ``PLANS``; "auto" asks ``choose_collectives``
 with the process group's backend for the parameters' device):
@@ -54,7 +54,7 @@ Placement (stage 1 always during backward; ``_stage_points``; Inductor keeps it,
   (``_before_bucket_allocation``: its reduce runs while backward computes the GEMMs of
   bucket k+1 before that, and its buffer is freed before bucket k+1's is
   allocated), stage 3 where bucket k+1's stage 2 goes, and never before the last
-  read of bucket k's old parameter values (fact 21); the last ones after backward.
+  read of bucket k's old parameter values (docs/design.md §22); the last ones after backward.
   Each gradient dies at its bucket's cat. At one place, what frees buffers goes
   first (``_insertion_order``): the writes of gathers started earlier, then the
   updates, then the next reduce. So at most one bucket's reduce buffer, one layer's
