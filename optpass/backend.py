@@ -23,6 +23,7 @@ from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, Sc
 from optpass.passes.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                                      check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state, refuse_without_low_precision
+from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
 from optpass.options import Options
 from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
 from optpass.zero1 import sharded_state
@@ -276,7 +277,10 @@ def explaining_backend(gm, example_inputs, options=None):
         runtime = fused_class(gm, captured, options, None, compile_fn)
         fused, _ = runtime._compile_fused(list(example_inputs))
         return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
-    return _leaving_gradients_alone(gm, captured, _lower_dry(gm, example_inputs, {}, captured=captured,
+    sharded = (options.data_parallel == "zero1" and captured.kind is GraphKind.STEP and "zero1' is legal"
+               in (report.legality or "") and (options.optimizer_in_backward or ends_at_optimizer_step(captured)))
+    context = {SHARD_EXPLAINED: True} if sharded else {}
+    return _leaving_gradients_alone(gm, captured, _lower_dry(gm, example_inputs, context, captured=captured,
                                                              options=options, report=report))
 
 

@@ -458,14 +458,23 @@ class ShardedStep(OptimizerInBackwardStep):
                 "cannot add one later: its gradient would be dropped. Set requires_grad on every parameter "
                 "to train before the first step, or build a new optimizer (and compile the step with it) "
                 "after unfreezing.")
-        missing = [f"#{i}" if name is None else name for i, name in self.names.items()
+        missing = [name or self._optimizer_position(i) for i, name in self.names.items()
                    if name not in self.fused]
         if missing:
             raise OptpassError(
-                f"data_parallel='zero1': parameter(s) {', '.join(missing[:3])} are in the optimizer and "
-                "require grad but get no gradient in this step; every rank must update every "
-                "parameter. Set requires_grad=False on parameters the step does not use, or leave "
-                "them out of the optimizer.")
+                f"data_parallel='zero1': {len(missing)} parameter(s) in the optimizer require grad but get no "
+                f"gradient in this step: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}. ZeRO-1 "
+                "reduces and updates every parameter of its optimizer at every step, so a parameter that a "
+                "step does not use (on every rank, or on some: what DDP's find_unused_parameters=True "
+                "allows) is not supported. Set requires_grad=False on parameters the step never uses, or "
+                "leave them out of the optimizer; a model whose steps use different parameters "
+                "(alternating heads, a branch per rank) cannot train under zero1.")
+
+    def _optimizer_position(self, index: int) -> str:
+        """A parameter the graph does not name: where it is in the optimizer, and its shape."""
+        group, p = self.sharded.params[index]
+        position = next(k for k, q in enumerate(self.optimizer.param_groups[group]["params"]) if q is p)
+        return f"opt.param_groups[{group}]['params'][{position}] of shape {list(p.shape)}"
 
     def __call__(self, *args):
         self.sharded.refresh_masters()       # a checkpoint without masters was loaded

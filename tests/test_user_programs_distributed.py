@@ -15,7 +15,7 @@ from distributed import run_ranks, values
 PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimizer_over_part",
             "clip_on_rank_zero_only", "in_backward_on_rank_zero_only", "lr_tensor_differs",
             "grad_scaler_on_rank_zero_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass",
+            "ddp_model_compiled_with_optpass", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
 
@@ -80,6 +80,22 @@ def test_data_parallel_left_off_one_rank_fails_the_waiting_rank_and_warns_the_ot
     assert any("compiled without data_parallel" in w for w in alone["warnings"]), alone
 
 
+def test_a_parameter_the_step_does_not_use_is_refused_naming_it_and_the_limit(ranks):
+    for result in ranks:
+        kind, message = _error(result["unused_head"])
+        assert kind == "OptpassError"
+        assert ("2 parameter(s) in the optimizer require grad but get no gradient in this step: "
+                "opt.param_groups[0]['params'][4] of shape [1, 8], opt.param_groups[0]['params'][5] of shape [1]") in message
+        assert "find_unused_parameters=True" in message
+
+
+def test_explain_says_the_update_is_sharded_at_the_first_training_call(ranks):
+    for result in ranks:
+        lines = result["explain_a_zero1_step"]["shard_optimizer"]
+        assert any("applies at the first training call" in line for line in lines), lines
+        assert not any("micro-step" in line for line in lines), lines
+
+
 def test_an_evaluation_function_compiled_with_the_training_options_runs_the_forward(ranks):
     for result in ranks:
         assert result["evaluation_without_no_grad"]["diff"] == 0.0, result
@@ -95,8 +111,10 @@ def test_a_ddp_model_compiled_with_optpass_trains_as_ddp(ranks):
 
 
 def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling_it():
+    # 20 s: the ranks' first compiles may be that far apart on a loaded machine (the agreement waits
+    # as long as the process group's timeout); rank 1's last collective then fails after it
     results = run_ranks(2, workers.run_all, ["one_rank_calls_the_step_once_more"], timeout_s=300,
-                        pg_timeout_s=10)
+                        pg_timeout_s=20)
     assert "error" not in results[0]["one_rank_calls_the_step_once_more"], results[0]
     kind, message = _error(results[1]["one_rank_calls_the_step_once_more"])
     assert kind == "OptpassError" and "failed on rank 1 of 2" in message

@@ -295,3 +295,21 @@ def one_rank_calls_the_step_once_more(rank, world):
     if rank == 0:       # goes on to something else (evaluation, saving) while rank 1 waits
         dist.distributed_c10d._get_default_store().wait(["optpass/agreement/failed/1"], datetime.timedelta(seconds=120))
     return {}
+
+
+def unused_head(rank, world):
+    """Two heads, one used (what DDP needs find_unused_parameters=True for)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(6, 8), "a": nn.Linear(8, 1), "b": nn.Linear(8, 1)})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = torch.compile(make_step(lambda x: model["a"](torch.tanh(model["body"](x))), opt, F.mse_loss),
+                         backend="optpass", options={"optimizer": opt, "data_parallel": "zero1"})
+    step(*batch(0, rank, world))
+    return {}
+
+
+def explain_a_zero1_step(rank, world):
+    model, opt = _mlp_and_opt()
+    text = str(optpass.explain(make_step(model, opt, F.mse_loss), *batch(0, rank, world),
+                               options={"optimizer": opt, "data_parallel": "zero1"}))
+    return {"shard_optimizer": [line.strip() for line in text.splitlines() if "pass shard_optimizer" in line]}

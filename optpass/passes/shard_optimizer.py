@@ -172,8 +172,16 @@ class ShardPlan:
         return {"reorder_for_locality": False, "reorder_for_peak_memory": False}
 
 
+# explain's dry compile of a step zero1 shards: no plan (the layout needs every rank), said so
+EXPLAIN_KEY = "shard_optimizer.explained"
+
+
 def run(step, options) -> str | None:
     plan = step.context.get(CONTEXT_KEY)
+    if plan is None and step.context.get(EXPLAIN_KEY):
+        return ("applies at the first training call, not in explain: there every rank agrees on the model, "
+                "and per gradient bucket a reduce starts during backward, this rank updates its 1/N shard "
+                "and a gather brings the parameters back (explain runs no collective)")
     if plan is None:
         return ("not requested (options data_parallel)" if options.data_parallel != "zero1"
                 else "this compile keeps gradients (a micro-step without opt.step(): they add up in .grad)")
