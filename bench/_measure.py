@@ -1,27 +1,43 @@
-"""What every benchmark here measures the same way: Linux process memory and CPU time.
+"""What every benchmark here does the same way: start its children, measure Linux process memory and CPU time.
 
 * ``proc_status_kib("VmHWM")`` read before any reset: the whole run's peak RSS, what
   decides whether a model fits (docs/design.md, Measuring);
 * ``reset_peak_rss()`` then ``proc_status_kib("VmHWM")``: the steady-state peak RSS
   of the steps that ran in between.
-* ``cpu_busy_s()`` / ``children_cpu_s()``: how busy the machine and our children
-  were, to tell when other processes disturbed a timing.
+* ``cpu_busy_s()`` / ``children_cpu_s()`` / ``other_cores(...)``: how busy the machine and
+  our children were, to tell when other processes disturbed a timing.
 * ``CPUTensorBytes``: the peak of live CPU tensor bytes on every thread (a counting
   allocator), what ``torch.cuda.max_memory_allocated()`` is on a GPU.
-* ``emit_result(dict)`` in a child, ``run_child(cmd, env, timeout)`` in the parent:
-  run one variant in a fresh process and get back its numbers.
+
+Children: a bench re-invokes its own script (``child_command(__file__, child=..., ...)``) in a
+fresh process with ``child_env(threads, cache_dir)`` (its own Inductor cache, ``OMP_NUM_THREADS``,
+no debug logging), the child calls ``emit_result(dict)`` and the parent gets that dict back from
+``run_child(cmd, env, timeout)``, with the process's wall and CPU time and the load of other
+processes added; ``run_ranks(cmd, world, ...)`` starts ``world`` gloo ranks of one job on a free
+port (``--rank R --port P``; the child calls ``init_gloo``). ``graph_count()`` and
+``training_step(loss_of, opt)`` are the child side's count of compiled graphs and the supported
+step shape.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import resource
+import shutil
+import socket
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 
 RESULT_PREFIX = "RESULT:"
+# environment variables that make a child log or skip its caches: never passed to one
+DEBUG_VARS = ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
+_POLL_S = 0.1   # with several children: how often each is checked for an early failure
 
 
 def proc_status_kib(field: str) -> int:
@@ -64,9 +80,55 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def other_cores(machine_busy_s: float | None, own_cpu_s: float, wall_s: float) -> float | None:
+    """Cores that processes other than ours kept busy, on average over ``wall_s``: the machine's
+    busy CPU seconds (``cpu_busy_s()`` after minus before) less our own; None off Linux."""
+    if machine_busy_s is None:
+        return None
+    return round(max(0.0, machine_busy_s - own_cpu_s) / wall_s, 2)
+
+
 def median(values) -> float:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else float("nan")
+
+
+# ====================================================================== children
+
+def child_command(script: str, **flags) -> list[str]:
+    """``python script --flag value ...``: each keyword a flag (``d_model`` -> ``--d-model``);
+    None is left out, True is the bare flag, False is left out, anything else is ``str()``."""
+    cmd = [sys.executable, os.path.abspath(script)]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        cmd.append("--" + name.replace("_", "-"))
+        if value is not True:
+            cmd.append(str(value))
+    return cmd
+
+
+def child_env(threads: int, cache_dir: str | None = None, **extra) -> dict:
+    """This process's environment for a child: ``OMP_NUM_THREADS=threads``, the Inductor cache in
+    ``cache_dir`` (an empty one: nothing compiled is shared between children), no ``DEBUG_VARS``;
+    ``extra`` variables set as given (None: not set)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if cache_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    env.update({k: str(v) for k, v in extra.items() if v is not None})
+    for var in DEBUG_VARS:
+        env.pop(var, None)
+    return env
+
+
+@contextlib.contextmanager
+def empty_cache_dir(tag: str):
+    """A new empty directory for one child's compile caches, removed afterwards."""
+    path = tempfile.mkdtemp(prefix=f"optpass-bench-{tag.replace('/', '-')}-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def emit_result(result: dict) -> None:
@@ -74,33 +136,154 @@ def emit_result(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_child(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
-    """Run ``cmd`` (a fresh process that calls ``emit_result``) and return its result.
+class ChildError(SystemExit):
+    """A child failed, timed out or printed no result. Not caught, it ends the bench with its
+    message (the command and the tails of the child's output), as any ``SystemExit`` does."""
 
-    Adds ``process_wall_s``, ``other_processes_cores`` (cores kept busy by processes other
-    than this child, on average over its run; None off Linux) and ``stderr_warnings``.
-    Exits with the tails of the child's output when it fails, times out or prints no result.
-    """
+    def __init__(self, message: str, cmd: list[str], returncode: int | None, stdout: str, stderr: str,
+                 wall_s: float, timed_out: bool) -> None:
+        super().__init__(message)
+        self.cmd, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, stderr
+        self.wall_s, self.timed_out = wall_s, timed_out
+
+
+def run_child(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
+    """Run ``cmd`` (a fresh process that calls ``emit_result``) and return its result: see
+    ``run_children``."""
+    return run_children([cmd], env, timeout)[0]
+
+
+def run_children(cmds: list[list[str]], env: dict | None = None, timeout: float | None = None) -> list[dict]:
+    """Run the commands at once (the ranks of one job) and return their results, in order.
+
+    Adds to each ``process_wall_s`` (until the last child ended), ``process_cpu_s`` (CPU time
+    of all of them and the processes they reaped: less sensitive to other load than wall time),
+    ``other_processes_cores`` (cores kept busy by processes other than these children, on
+    average over their run; None off Linux) and its own ``stderr_warnings``. Raises
+    ``ChildError`` when one fails, runs past ``timeout`` seconds or prints no result (the others
+    are killed then)."""
     cpu_before, ours_before = cpu_busy_s(), children_cpu_s()
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise SystemExit(f"child timed out after {timeout}s: {' '.join(cmd)}\n"
-                         f"--- stderr tail ---\n{err[-4000:]}")
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"child failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                         f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
-    result["process_wall_s"] = round(wall, 2)
+    deadline = None if timeout is None else t0 + timeout
+    with contextlib.ExitStack() as stack:
+        logs = [(stack.enter_context(tempfile.TemporaryFile()), stack.enter_context(tempfile.TemporaryFile()))
+                for _ in cmds]
+        procs = [subprocess.Popen(cmd, env=env, stdout=out, stderr=err) for cmd, (out, err) in zip(cmds, logs)]
+        pending, failed, timed_out = list(procs), None, None
+        try:
+            while pending and failed is None:
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    timed_out = pending[0]
+                    break
+                proc = pending[0]
+                try:     # the last one exactly; with several, each in turn, so that any failure shows soon
+                    proc.wait(timeout=left if len(pending) == 1 else min(_POLL_S, left or _POLL_S))
+                except subprocess.TimeoutExpired:
+                    pending.append(pending.pop(0))
+                    continue
+                pending.pop(0)
+                if proc.returncode != 0:
+                    failed = proc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        wall = time.perf_counter() - t0
+        outputs = []
+        for out, err in logs:
+            out.seek(0)
+            err.seek(0)
+            outputs.append((out.read().decode(errors="replace"), err.read().decode(errors="replace")))
     cpu_after, ours_after = cpu_busy_s(), children_cpu_s()
-    result["other_processes_cores"] = None if cpu_before is None or cpu_after is None else round(
-        max(0.0, (cpu_after - cpu_before) - (ours_after - ours_before)) / wall, 2)
-    result["stderr_warnings"] = sorted({ln.strip() for ln in proc.stderr.splitlines() if "Warning" in ln})[:20]
-    return result
+    lines = [[ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)] for out, _ in outputs]
+    if timed_out is not None:
+        i = procs.index(timed_out)
+        raise ChildError(f"child timed out after {timeout}s: {' '.join(cmds[i])}\n"
+                         f"--- stderr tail ---\n{outputs[i][1][-4000:]}", cmds[i], None, *outputs[i], wall, True)
+    if failed is None:
+        failed = next((p for p, found in zip(procs, lines) if not found), None)
+    if failed is not None:
+        i = procs.index(failed)
+        out, err = outputs[i]
+        raise ChildError(f"child failed (exit {failed.returncode}): {' '.join(cmds[i])}\n"
+                         f"--- stdout tail ---\n{out[-3000:]}\n--- stderr tail ---\n{err[-6000:]}",
+                         cmds[i], failed.returncode, out, err, wall, False)
+    results = []
+    for found, (_, err) in zip(lines, outputs):
+        result = json.loads(found[-1][len(RESULT_PREFIX):])
+        result["process_wall_s"] = round(wall, 2)
+        result["process_cpu_s"] = round(ours_after - ours_before, 3)
+        result["other_processes_cores"] = other_cores(
+            None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
+            ours_after - ours_before, wall)
+        result["stderr_warnings"] = sorted({ln.strip() for ln in err.splitlines() if "Warning" in ln})[:20]
+        results.append(result)
+    return results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(cmd: list[str], world: int, env: dict | None = None, timeout: float | None = None) -> list[dict]:
+    """``world`` processes of ``cmd`` (which says ``world`` to them) with ``--rank R --port P`` (one
+    free port for all; ``add_rank_flags`` reads them), run at once as ``run_children`` does; their
+    results by rank."""
+    port = free_port()
+    return run_children([cmd + ["--rank", str(r), "--port", str(port)] for r in range(world)], env, timeout)
+
+
+def add_rank_flags(parser: argparse.ArgumentParser, world: bool = True) -> None:
+    """Child side of ``run_ranks``: its ``--rank`` and ``--port``, and ``--world`` unless the bench has
+    one of its own (hidden from ``--help``)."""
+    if world:
+        parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Child side of ``run_ranks``: join the gloo process group on 127.0.0.1:``port``."""
+    import datetime
+
+    import torch.distributed as dist   # lazy: the parents never import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def print_json(brief: dict, full: dict | None = None, path: str | None = None, indent: int = 2) -> None:
+    """Parent side, last: ``brief`` on one line after ``JSON: ``; with ``path``, ``full`` (or ``brief``)
+    written there."""
+    print("JSON: " + json.dumps(brief))
+    if path:
+        with open(path, "w") as f:
+            json.dump(brief if full is None else full, f, indent=indent)
+
+
+def graph_count() -> int:
+    """Child side: graphs Dynamo compiled in this process so far (to fail if one compiles while timing)."""
+    import torch._dynamo.utils   # lazy: the parents never import torch
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def training_step(loss_of, opt):
+    """The supported step shape around ``loss_of(x, y)``; a new closure each call (Dynamo guards
+    on a closure's contents, so two variants compiled in one process need one each)."""
+    def train_step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
 
 
 _COUNTING_ALLOCATOR_CPP = r"""

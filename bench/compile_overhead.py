@@ -65,12 +65,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from _measure import children_cpu_s, cpu_busy_s, median
+from _measure import child_command, child_env, cpu_busy_s, emit_result, graph_count, median, run_child, training_step
 
 VARIANTS = ("inductor", "optpass")
 BUSY_CORES = 0.25  # other processes using more CPU than this during a child: its times are noisy
@@ -79,8 +78,6 @@ COMPILE_GOAL = 1.10
 
 FULL_MODEL = dict(vocab=256, d_model=128, n_heads=4, n_layers=4, seq_len=64, batch=8)
 QUICK_MODEL = dict(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, batch=4)
-
-RESULT_PREFIX = "RESULT:"
 
 
 # ====================================================================== child side
@@ -110,23 +107,6 @@ def _make_training(torch, model_cfg: dict, seed: int = 0):
     stream = batches(corpus, model_cfg["batch"], cfg.seq_len, seed=seed)
     data = [tuple(t.contiguous() for t in next(stream)) for _ in range(16)]
     return model, opt, data
-
-
-def _make_step(model, opt):
-    # A factory: each variant gets its own closure (Dynamo guards on the closure's contents).
-    def train_step(x, y):
-        loss = model.loss(x, y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
-    return train_step
-
-
-def _graph_count(torch) -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _dynamo_timed(torch) -> dict:
@@ -169,7 +149,7 @@ def child_cold(args) -> dict:
     timers = _OptpassTimers() if args.child == "optpass" else None
     model_cfg = json.loads(args.model)
     model, opt, data = _make_training(torch, model_cfg)
-    step = _compile(torch, args.child, _make_step(model, opt))
+    step = _compile(torch, args.child, training_step(model.loss, opt))
 
     profiler = None
     if args.profile_out:
@@ -186,11 +166,11 @@ def child_cold(args) -> dict:
         warmup_calls.append(time.perf_counter() - t0)
         if profiler:
             profiler.disable()
-        graphs_after_call.append(_graph_count(torch))
+        graphs_after_call.append(graph_count())
     if profiler:
         profiler.dump_stats(args.profile_out)
 
-    graphs = _graph_count(torch)
+    graphs = graph_count()
     times, losses = [], []
     for i in range(args.steps):
         x, y = data[(args.warmup + i) % len(data)]
@@ -198,8 +178,8 @@ def child_cold(args) -> dict:
         out = step(x, y)
         times.append(time.perf_counter() - t0)
         losses.append(float(out))
-    if _graph_count(torch) != graphs:
-        raise RuntimeError(f"{args.child}: {_graph_count(torch) - graphs} graph(s) compiled during the "
+    if graph_count() != graphs:
+        raise RuntimeError(f"{args.child}: {graph_count() - graphs} graph(s) compiled during the "
                            "timed steps (the warmup is too short or the step recompiles)")
     if len(graphs_after_call) > 1 and graphs_after_call[-1] != graphs_after_call[-2]:
         raise RuntimeError(f"{args.child}: call {args.warmup} still compiled (graphs per call: "
@@ -237,20 +217,20 @@ def child_interleaved(args) -> dict:
     # and the variant compiled first also pays the process's one-time warm-up.
     for variant in VARIANTS:
         model, opt, data = _make_training(torch, model_cfg)
-        step = _compile(torch, variant, _make_step(model, opt))
-        before = _graph_count(torch)
+        step = _compile(torch, variant, training_step(model.loss, opt))
+        before = graph_count()
         t0 = time.perf_counter()
         for i in range(args.warmup):
             step(*data[i % len(data)])
         compile_s[variant] = time.perf_counter() - t0
-        graphs[variant] = _graph_count(torch) - before
+        graphs[variant] = graph_count() - before
         for i in range(args.block):  # a few warm steps before timing
             step(*data[i % len(data)])
         steps[variant], datas[variant] = step, data
     if graphs["inductor"] != graphs["optpass"]:
         raise RuntimeError(f"the variants compiled different numbers of graphs: {graphs}")
 
-    total = _graph_count(torch)
+    total = graph_count()
     blocks = {v: [] for v in VARIANTS}
     counter = {v: 0 for v in VARIANTS}
     for r in range(args.rounds):
@@ -262,7 +242,7 @@ def child_interleaved(args) -> dict:
                 step(*data[counter[variant] % len(data)])
                 counter[variant] += 1
             blocks[variant].append((time.perf_counter() - t0) / args.block)
-    if _graph_count(torch) != total:
+    if graph_count() != total:
         raise RuntimeError("a graph was compiled during the interleaved timing (recompile)")
     med = {v: statistics.median(blocks[v]) for v in VARIANTS}
     paired = [o / i for o, i in zip(blocks["optpass"], blocks["inductor"])]
@@ -282,53 +262,19 @@ def child_interleaved(args) -> dict:
     }
 
 
-def run_child(args) -> None:
-    result = child_interleaved(args) if args.child == "interleaved" else child_cold(args)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+def child_main(args) -> None:
+    emit_result(child_interleaved(args) if args.child == "interleaved" else child_cold(args))
 
 
 # ====================================================================== parent side
 
 def _spawn(args, child: str, model_cfg: dict, cache_dir: str, profile_out: str | None = None) -> dict:
-    env = dict(os.environ)
-    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
-        env.pop(var, None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", child,
-           "--model", json.dumps(model_cfg), "--threads", str(args.threads),
-           "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--rounds", str(args.rounds), "--block", str(args.block)]
-    if profile_out:
-        cmd += ["--profile-out", profile_out]
+    cmd = child_command(__file__, child=child, model=json.dumps(model_cfg), threads=args.threads,
+                        warmup=args.warmup, steps=args.steps, rounds=args.rounds, block=args.block,
+                        profile_out=profile_out)
     waited = _wait_until_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
-    cpu_before, ours_before = cpu_busy_s(), children_cpu_s()
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise SystemExit(f"child {child!r} timed out after {args.child_timeout}s: {' '.join(cmd)}\n"
-                         f"--- stderr tail ---\n{err[-4000:]}")
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"child {child!r} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                         f"--- stdout tail ---\n{proc.stdout[-3000:]}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
-    result["process_wall_s"] = wall
+    result = run_child(cmd, child_env(args.threads, cache_dir), args.child_timeout)
     result["waited_for_idle_s"] = round(waited, 1)
-    cpu_after, ours_after = cpu_busy_s(), children_cpu_s()
-    # CPU time of the child and the compile workers it reaped: less sensitive to other load than wall time.
-    result["process_cpu_s"] = round(ours_after - ours_before, 3)
-    if cpu_before is not None and cpu_after is not None:
-        # CPU time the whole machine spent minus what this child (and its reaped workers) used:
-        # how many cores other processes kept busy while it ran, on average.
-        result["other_processes_cores"] = round(
-            max(0.0, (cpu_after - cpu_before) - (ours_after - ours_before)) / wall, 2)
-    warnings_seen = sorted({ln.strip() for ln in proc.stderr.splitlines() if "Warning" in ln})
-    if warnings_seen:
-        result["stderr_warnings"] = warnings_seen[:20]
     return result
 
 
@@ -585,10 +531,7 @@ def main(argv=None) -> None:
         args.rounds = 4 if args.quick else 10
     if args.warmup < 1 or args.steps < 1 or args.repeats < 1 or args.block < 1:
         p.error("--warmup, --steps, --repeats and --block must be >= 1")
-    if args.child:
-        run_child(args)
-    else:
-        run_parent(args)
+    (child_main if args.child else run_parent)(args)
 
 
 if __name__ == "__main__":

@@ -66,16 +66,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-from _measure import reset_peak_rss
+from _measure import (ChildError, child_command, child_env, emit_result, empty_cache_dir, graph_count,
+                      print_json, proc_status_kib, reset_peak_rss, run_child)
 
 VARIANTS = ["nonprivate", "noise-floor", "vmap-inductor", "vmap-optpass", "opacus-hooks", "opacus-ghost"]
 DP_VARIANTS = VARIANTS[2:]
@@ -161,16 +158,6 @@ def make_vmap_dp_step(model, opt, vocab, batch):
         opt.zero_grad()
         return norms
     return dp_step
-
-
-def read_status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM", "VmRSS")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def child(args) -> None:
@@ -263,50 +250,40 @@ def child(args) -> None:
     for i in range(warmup):
         step(*batches[i % len(batches)])
 
-    counters = getattr(torch._dynamo.utils, "counters", None)
-    frames_before = dict(counters["stats"]) if counters is not None else {}
-    pre = read_status()
+    graphs = graph_count()
+    rss_pre = proc_status_kib("VmRSS") * 1024
     info["hwm_reset"] = reset_peak_rss()
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
         step(*batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
-    status = read_status()
-    frames_after = dict(counters["stats"]) if counters is not None else {}
-    info.update(step_s=statistics.median(times), times=times, vmhwm=status["VmHWM"],
-                rss_pre=pre["VmRSS"], rss_end=status["VmRSS"],
+    info.update(step_s=statistics.median(times), times=times, vmhwm=proc_status_kib("VmHWM") * 1024,
+                rss_pre=rss_pre, rss_end=proc_status_kib("VmRSS") * 1024,
                 ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                recompiled=frames_after.get("unique_graphs", 0) != frames_before.get("unique_graphs", 0))
-    print("RESULT: " + json.dumps(info), flush=True)
+                recompiled=graph_count() != graphs)
+    emit_result(info)
 
 
 # ----------------------------------------------------------------------------- parent side
 
-def run_child(args, variant: str, t: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--t", str(t),
-           "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads),
-           "--vocab", str(args.vocab), "--batch", str(args.batch), "--threads", str(args.threads),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if args.malloc_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    with tempfile.TemporaryDirectory(prefix="dp_bench_cache_") as cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
-        t0 = time.perf_counter()
+def run_variant(args, variant: str, t: int) -> dict:
+    """One child; a failure or a timeout comes back as its status (the table goes on without it)."""
+    cmd = child_command(__file__, child=variant, t=t, d_model=args.d_model, n_layers=args.n_layers,
+                        n_heads=args.n_heads, vocab=args.vocab, batch=args.batch, threads=args.threads,
+                        warmup=args.warmup, steps=args.steps)
+    with empty_cache_dir("dp") as cache:
+        env = child_env(args.threads, cache, MALLOC_MMAP_THRESHOLD_=args.malloc_mmap_threshold or None,
+                        TRITON_CACHE_DIR=os.path.join(cache, "triton"))
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return {"variant": variant, "T": t, "status": "timeout", "wall_s": args.timeout}
-    wall = time.perf_counter() - t0
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT: "):
-            result = json.loads(line[len("RESULT: "):])
-            result.update(status="ok", wall_s=wall)
-            return result
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-    return {"variant": variant, "T": t, "status": "error", "error": "\n".join(tail), "wall_s": wall}
+            result = run_child(cmd, env, args.timeout)
+        except ChildError as e:
+            if e.timed_out:
+                return {"variant": variant, "T": t, "status": "timeout", "wall_s": args.timeout}
+            tail = (e.stderr or e.stdout).strip().splitlines()[-8:]
+            return {"variant": variant, "T": t, "status": "error", "error": "\n".join(tail), "wall_s": e.wall_s}
+    result.update(status="ok", wall_s=result["process_wall_s"])
+    return result
 
 
 def fmt_mb(b):
@@ -406,7 +383,7 @@ def main() -> None:
     for t in ts:
         results = {}
         for v in variants:
-            results[v] = run_child(args, v, t)
+            results[v] = run_variant(args, v, t)
             r = results[v]
             print(f"  T={t} {v}: {r['status']}" + (f", {r['step_s'] * 1e3:.1f} ms/step, VmHWM "
                                                     f"{r['vmhwm'] / 2**20:.1f} MB" if r["status"] == "ok" else
@@ -429,10 +406,7 @@ def main() -> None:
     out = {"config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "batch", "threads",
                                                      "warmup", "steps", "malloc_mmap_threshold")},
            "results": summary, "goals": {str(t): g for t, g in all_goals.items()}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**out, "raw": {str(t): r for t, r in all_results.items()}}, f, indent=1)
-    print("JSON: " + json.dumps(out))
+    print_json(out, {**out, "raw": {str(t): r for t, r in all_results.items()}}, args.json, indent=1)
 
 
 if __name__ == "__main__":

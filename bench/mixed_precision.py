@@ -80,17 +80,12 @@ The parent never imports torch.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-from _measure import RESULT_PREFIX, CPUTensorBytes, emit_result, median, proc_status_kib, reset_peak_rss, run_child
+from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, empty_cache_dir,
+                      graph_count, init_gloo, median, print_json, proc_status_kib, reset_peak_rss, run_child,
+                      run_ranks, training_step)
 
 VARIANTS = ("by-hand", "optpass", "optpass-after", "zero1", "inductor")
 DEFAULT_VARIANTS = ("by-hand", "optpass", "zero1")
@@ -114,11 +109,7 @@ def run_variant(args) -> None:
     kind = args.child
     rank, world = args.rank, args.world if kind == "zero1" else 1
     if kind == "zero1":
-        import datetime
-
-        import torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+        init_gloo(rank, world, args.port, timeout_s=900)
     live = CPUTensorBytes()             # live tensor bytes from start() on, every thread (a counting allocator)
     if args.count_tensors:
         live.load()                     # its module before the baseline, installed after it
@@ -171,7 +162,7 @@ def run_variant(args) -> None:
             losses.append(float(step(x, y)))
         warmup_s.append(time.perf_counter() - t0)
     hwm_warmup_kib = proc_status_kib("VmHWM")          # since process start: nothing reset it yet
-    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    graphs = graph_count()
     gc.collect()
     reset_ok = reset_peak_rss()
     times = []
@@ -185,7 +176,7 @@ def run_variant(args) -> None:
         times.append(time.perf_counter() - t0)
     hwm_steady_kib = proc_status_kib("VmHWM")
     tensors = live.stop() if args.count_tensors else None
-    if int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) != graphs:
+    if graph_count() != graphs:
         raise SystemExit(f"{kind}: a graph compiled during the measured steps (raise --warmup)")
     # what holds the fp32 masters and the optimizer state, counted tensor by tensor
     state_bytes = sum(t.numel() * t.element_size() for s in state_of() for t in s.values()
@@ -261,13 +252,7 @@ def _compiled_step(args, kind: str, loss_of, opt):
     """The supported step shape, compiled by optpass with this variant's options."""
     import torch
 
-    def train_step(x, y):
-        loss = loss_of(x, y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
+    train_step = training_step(loss_of, opt)
     if kind == "inductor":
         return torch.compile(train_step, backend="inductor")
     options = {"optimizer": opt, "master_weights": torch.float32,
@@ -320,49 +305,21 @@ def _tensor_fields(t: dict, n_params: int, args) -> dict:
 
 # ====================================================================== parent side
 
-def _env(args, tag: str) -> tuple[dict, str]:
-    cache_dir = tempfile.mkdtemp(prefix=f"optpass-mp-{tag}-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS=str(args.threads))
-    for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
-        env.pop(var, None)
-    return env, cache_dir
-
-
 def _cmd(args, variant: str, width: int | None = None, count_tensors: bool = False) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
-            "--width", str(width or args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--threads", str(args.threads), "--world", str(args.world),
-            "--model", args.model, "--vocab", str(args.vocab), "--seq", str(args.seq)] + (
-            [] if args.compile_init else ["--no-compile-init"]) + (
-            ["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else []) + (
-            [] if count_tensors else ["--no-tensor-peak"])
+    return child_command(__file__, child=variant, layers=args.layers, width=width or args.width, batch=args.batch,
+                         steps=args.steps, warmup=args.warmup, threads=args.threads, world=args.world, model=args.model,
+                         vocab=args.vocab, seq=args.seq, no_compile_init=not args.compile_init,
+                         bucket_bytes=args.bucket_bytes, no_tensor_peak=not count_tensors)
 
 
 def _spawn(args, variant: str, width: int | None = None, count_tensors: bool = False) -> list[dict]:
     """One process (or --world rank processes for zero1); their results, by rank. ``count_tensors``: the
     child measures the live-tensor peak (the counting allocator installed before the model is built)."""
-    env, cache_dir = _env(args, variant)
-    try:
+    with empty_cache_dir(variant) as cache_dir:
+        env = child_env(args.threads, cache_dir)
         if variant != "zero1":
             return [run_child(_cmd(args, variant, width, count_tensors), env, args.child_timeout)]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen(_cmd(args, variant, width, count_tensors) + ["--rank", str(r), "--port", str(port)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(args.world)]
-        results = []
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=args.child_timeout)
-            lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
-            if proc.returncode != 0 or not lines:
-                for other in procs:
-                    other.kill()
-                raise SystemExit(f"zero1 rank {r} failed (exit {proc.returncode})\n{out[-2000:]}\n{err[-6000:]}")
-            results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
-        return results
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        return run_ranks(_cmd(args, variant, width, count_tensors), args.world, env, args.child_timeout)
 
 
 def _fmt(x) -> str:
@@ -472,10 +429,7 @@ def run_parent(args) -> None:
           + ", ".join(f"{v} {s['compile_init_mb']:.0f} MB" for v, s in summary.items()))
     print(f"total {time.perf_counter() - started:.0f} s")
     out = {"config": vars(args), "n_params": n, "summary": summary, "runs": runs}
-    print("JSON: " + json.dumps({k: out[k] for k in ("config", "n_params", "summary")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    print_json({k: out[k] for k in ("config", "n_params", "summary")}, out, args.json)
 
 
 def main(argv=None) -> None:
@@ -510,8 +464,7 @@ def main(argv=None) -> None:
     p.add_argument("--json")
     p.add_argument("--child-timeout", type=int, default=1800)
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    add_rank_flags(p, world=False)
     args = p.parse_args(argv)
     quick = args.quick and not args.child
     llama = args.model == "llama"
@@ -520,10 +473,7 @@ def main(argv=None) -> None:
                               ("batch", 2 if llama else 8, 2 if llama else 8), ("steps", 5, 3)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
-    if args.child:
-        run_variant(args)
-    else:
-        run_parent(args)
+    (run_variant if args.child else run_parent)(args)
 
 
 if __name__ == "__main__":

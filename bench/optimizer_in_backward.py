@@ -104,15 +104,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 
-from _measure import cpu_busy_s, emit_result, median, proc_status_kib, reset_peak_rss, run_child, self_cpu_s
+from _measure import (child_command, child_env, cpu_busy_s, emit_result, empty_cache_dir, graph_count, median,
+                      other_cores, print_json, proc_status_kib, reset_peak_rss, run_child, self_cpu_s, training_step)
 
 DEFAULT_KINDS = ("eager", "inductor", "optpass")
 ALL_KINDS = DEFAULT_KINDS + ("optpass-eager", "optpass-clip", "optpass-scaler", "optpass-scaler-after")
@@ -124,10 +120,6 @@ _MB = 1e6
 
 
 # ====================================================================== child side
-
-def _graph_count(torch) -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
 
 def _make_optimizer(torch, name: str, params):
     if name == "adamw":
@@ -195,14 +187,7 @@ def run_variant(args) -> None:
     data = [(torch.randn(args.batch, args.width, generator=g).to(device),
              torch.randn(args.batch, args.width, generator=g).to(device)) for _ in range(4)]
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
+    train_step = training_step(lambda x, y: F.mse_loss(model(x), y), opt)
     if kind == "eager":
         step = train_step
     elif kind == "inductor":
@@ -240,7 +225,7 @@ def run_variant(args) -> None:
         emit_result({"variant": args.child, "estimate": estimate})
         return
     optpass.report.clear_reports()
-    graphs = _graph_count(torch)
+    graphs = graph_count()
     grads_after_warmup = sum(p.grad is not None for p in model.parameters())
 
     # Steady state: reset the peak marks, run the measured steps.
@@ -262,14 +247,12 @@ def run_variant(args) -> None:
     cuda_peak_steady = torch.cuda.max_memory_allocated() if cuda else None
     rss_end_kib = proc_status_kib("VmRSS")
     machine_after, self_after, wall_after = cpu_busy_s(), self_cpu_s(), time.perf_counter()
-    other_cores = None
-    if machine_before is not None and machine_after is not None:
-        # CPUs kept busy by other processes while the measured steps ran (OpenMP threads that
-        # share the cores with another process make steps several times slower)
-        other_cores = round(max(0.0, (machine_after - machine_before) - (self_after - self_before))
-                            / (wall_after - wall_before), 2)
-    if _graph_count(torch) != graphs:
-        raise SystemExit(f"{args.child}: {_graph_count(torch) - graphs} graph(s) compiled during the measured "
+    # CPUs kept busy by other processes while the measured steps ran (OpenMP threads that
+    # share the cores with another process make steps several times slower)
+    others = other_cores(None if machine_before is None or machine_after is None else machine_after - machine_before,
+                         self_after - self_before, wall_after - wall_before)
+    if graph_count() != graphs:
+        raise SystemExit(f"{args.child}: {graph_count() - graphs} graph(s) compiled during the measured "
                          "steps (raise --warmup, or the step recompiles)")
 
     hwm_whole_kib = max(hwm_warmup_kib, hwm_steady_kib)
@@ -315,7 +298,7 @@ def run_variant(args) -> None:
         "step_times_s": times,
         "median_step_s": statistics.median(times),
         "min_step_s": min(times),
-        "other_cores_during_steps": other_cores,
+        "other_cores_during_steps": others,
         "losses": losses,
         "graphs": graphs,
         "num_threads": torch.get_num_threads(),
@@ -326,26 +309,13 @@ def run_variant(args) -> None:
 # ====================================================================== parent side
 
 def _spawn(args, variant: str, estimate: bool = False) -> dict:
-    # an empty Inductor cache per child: nothing compiled is shared between children
-    cache_dir = tempfile.mkdtemp(prefix=f"optpass-oib-{variant.replace('/', '-')}-")
-    env = dict(os.environ)
-    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    if args.malloc_mmap_threshold is not None:
-        # diagnostic: a fixed threshold turns off glibc's dynamic one; every buffer at least this
-        # big is mmap'ed and unmapped on free, so RSS follows the live tensors rather than the heap.
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    for var in ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
-        env.pop(var, None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
-           "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    if estimate:
-        cmd.append("--estimate")
-    try:
+    cmd = child_command(__file__, child=variant, layers=args.layers, width=args.width, batch=args.batch,
+                        steps=args.steps, warmup=args.warmup, threads=args.threads, estimate=estimate)
+    with empty_cache_dir(variant) as cache_dir:
+        # --malloc-mmap-threshold (a diagnostic): a fixed threshold turns off glibc's dynamic one; every
+        # buffer at least this big is mmap'ed and unmapped on free, so RSS follows the live tensors.
+        env = child_env(args.threads, cache_dir, MALLOC_MMAP_THRESHOLD_=args.malloc_mmap_threshold)
         return run_child(cmd, env, args.child_timeout)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def _mb(nbytes: float) -> float:
@@ -579,10 +549,7 @@ def run_parent(args) -> None:
     }
     brief = {k: out[k] for k in ("config", "n_params", "gradient_bytes", "memory_metric", "summary", "ratios",
                                  "goals")}
-    print("JSON: " + json.dumps(brief))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    print_json(brief, out, args.json)
 
 
 def main(argv=None) -> None:
@@ -617,10 +584,7 @@ def main(argv=None) -> None:
     for name, full, small in (("layers", 12, 4), ("width", 2896, 1024), ("steps", 5, 3), ("repeats", 2, 1)):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
-    if args.child:
-        run_variant(args)
-    else:
-        run_parent(args)
+    (run_variant if args.child else run_parent)(args)
 
 
 if __name__ == "__main__":

@@ -42,17 +42,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import cpu_busy_s, self_cpu_s  # noqa: E402
+from _measure import (add_rank_flags, child_command, cpu_busy_s, emit_result, graph_count, init_gloo, other_cores,
+                      run_ranks, self_cpu_s, training_step)
 
 VARIANTS = ("ddp", "ddp-zero", "optpass", "optpass-in-backward")
 
@@ -175,7 +172,7 @@ def ddp_collectives_alone(bucket_bytes: list[int], group, repeats: int) -> float
     return statistics.median(times)
 
 
-def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
+def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -186,9 +183,9 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
     import optpass.zero1
     from optpass.passes.shard_optimizer import collectives_in
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = args.rank, args.world
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    init_gloo(rank, world, args.port, timeout_s=600)
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
@@ -227,15 +224,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
         for collectives in (args.collectives, no_communication):
             model = build(args.width, args.depth)
             opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
-
-            def train_step(x, y, model=model, opt=opt):
-                loss = F.mse_loss(model(x), y)
-                loss.backward()
-                out = loss.detach()
-                opt.step()
-                opt.zero_grad()
-                return out
-
+            train_step = training_step(lambda x, y, model=model: F.mse_loss(model(x), y), opt)
             options = {"optimizer": opt, "data_parallel": "zero1", "partition": args.partition,
                        "optimizer_in_backward": name == "optpass-in-backward",
                        "bucket_bytes": args.bucket_bytes, "collectives": collectives}
@@ -252,7 +241,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
         for fn in steps.values():
             fn()
     extra["ddp"][1].update(calls=0, bytes=[])
-    compiles_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiles_before = graph_count()
     times = {name: [] for name in steps}
     busy_before, mine_before, wall_before = cpu_busy_s(), self_cpu_s(), time.perf_counter()
     for _ in range(args.steps):
@@ -263,7 +252,7 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
             times[name].append(time.perf_counter() - start)
     wall, mine = time.perf_counter() - wall_before, self_cpu_s() - mine_before
     busy = None if busy_before is None else cpu_busy_s() - busy_before
-    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != compiles_before:
+    if graph_count() != compiles_before:
         raise SystemExit("a graph compiled while the steps were timed: the times are not steady-state")
 
     waited = {name: waited_per_step(steps[name], 5) for name in ("optpass", "optpass-in-backward")}
@@ -292,27 +281,22 @@ def rank_main(rank: int, world: int, port: int, args, out_dir: str) -> None:
         "buckets": len(sharded.layout.buckets),
         "cpu_s": mine, "busy_s": busy, "wall_s": wall,
     }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
     dist.destroy_process_group()
+    emit_result(result)
 
 
 def run_world(world: int, args) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(rank_main, args=(world, port, args, out_dir), nprocs=world, join=True)
-        results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    cmd = child_command(__file__, child=True, world=world, width=args.width, depth=args.depth, batch=args.batch,
+                        steps=args.steps, warmup=args.warmup, threads=args.threads, partition=args.partition,
+                        collectives=args.collectives, bucket_bytes=args.bucket_bytes)
+    results = run_ranks(cmd, world)
     times = {k: statistics.median(r["step_s"][k] for r in results) for k in results[0]["step_s"]}
     alone = {k: statistics.median(r["collectives_alone_s"][k] for r in results)
              for k in results[0]["collectives_alone_s"]}
     waited = {k: statistics.median(r["waited_s"][k] for r in results) for k in results[0]["waited_s"]}
     r0 = results[0]
     busy = r0["busy_s"]
-    others = None if busy is None else max(0.0, busy - sum(r["cpu_s"] for r in results)) / r0["wall_s"]
+    others = other_cores(busy, sum(r["cpu_s"] for r in results), r0["wall_s"])
     return {"world": world, "ranks": results, "times": times, "alone": alone, "waited": waited,
             "other_cores": others}
 
@@ -371,7 +355,12 @@ def main() -> None:
                         help="optpass's bucket_bytes (default: its default); DDP keeps its own buckets")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_rank_flags(parser)
     args = parser.parse_args()
+    if args.child:
+        rank_main(args)
+        return
     if args.quick:
         args.width, args.depth, args.steps = 256, 4, 10
 

@@ -23,20 +23,22 @@ relative to each parameter's largest master.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-import zero1_master_weights_workers as workers  # noqa: E402
-from distributed import run_ranks, values  # noqa: E402
+from _measure import add_rank_flags, child_command, emit_result, init_gloo, run_ranks  # noqa: E402
 
 CASES = [{"optimizer": o, "dtype": d, "partition": "even", "in_backward": False}
          for o in ("AdamW", "SGD") for d in ("bf16", "fp16")]
 
 
 def measure(rank: int, world: int, reduction: str) -> list[dict]:
+    import zero1_master_weights_workers as workers   # lazy: it imports torch, which the parent never does
+
     if reduction == "half":
         import optpass.passes.shard_optimizer as shard_optimizer
 
@@ -52,12 +54,32 @@ def measure(rank: int, world: int, reduction: str) -> list[dict]:
     return workers.parity(rank, world, CASES)
 
 
+def rank_main(args) -> None:
+    """One gloo rank (1 thread) of one reduction: its results, one per case."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init_gloo(args.rank, args.world, args.port, timeout_s=60)
+    results = measure(args.rank, args.world, args.reduction)
+    dist.destroy_process_group()
+    emit_result({"cases": results})
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reduction", choices=("fp32", "half"), help=argparse.SUPPRESS)
+    add_rank_flags(p)
+    args = p.parse_args()
+    if args.reduction:
+        rank_main(args)
+        return
     print(f"{'ranks':>5} {'case':<11} {'reduction':<9} {'per step: ulps':>15} {'master':>9} "
           f"{'20 steps: ulps':>15} {'master':>9}")
     for world in (2, 3):
         for reduction in ("fp32", "half"):
-            for r in values(run_ranks(world, measure, reduction, timeout_s=1200))[0]:
+            ranks = run_ranks(child_command(__file__, reduction=reduction, world=world), world, timeout=1200)
+            for r in ranks[0]["cases"]:
                 print(f"{world:>5} {r['optimizer'] + ' ' + r['dtype']:<11} {reduction:<9} "
                       f"{r['eager_ulps']:>15} {r['eager_master']:>9.1e} {r['ulps']:>15} {r['master']:>9.1e}",
                       flush=True)
