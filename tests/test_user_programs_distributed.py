@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import user_programs_distributed_workers as workers
-from distributed import run_ranks, values
+from distributed import RankError, run_ranks, values
 
 PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimizer_over_part",
             "clip_on_rank_zero_only", "in_backward_on_rank_zero_only", "lr_tensor_differs",
@@ -113,10 +113,9 @@ def test_a_ddp_model_compiled_with_optpass_trains_as_ddp(ranks):
 def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling_it():
     # 20 s: the ranks' first compiles may be that far apart on a loaded machine (the agreement waits
     # as long as the process group's timeout); rank 1's last collective then fails after it
-    results = run_ranks(2, workers.run_all, ["one_rank_calls_the_step_once_more"], timeout_s=300,
-                        pg_timeout_s=20)
-    assert "error" not in results[0]["one_rank_calls_the_step_once_more"], results[0]
-    kind, message = _error(results[1]["one_rank_calls_the_step_once_more"])
-    assert kind == "OptpassError" and "failed on rank 1 of 2" in message
-    assert "No other rank reported a failure inside this step" in message
-    assert "the same number of times" in message
+    results = run_ranks(2, workers.one_rank_calls_the_step_once_more, timeout_s=300, pg_timeout_s=20)
+    assert results[0] == {}, results[0]
+    assert isinstance(results[1], RankError), results[1]
+    assert results[1].type == "OptpassError" and "failed on rank 1 of 2" in results[1].message
+    assert "No other rank reported a failure inside this step" in results[1].message
+    assert "the same number of times" in results[1].message
