@@ -329,7 +329,7 @@ def test_explain_reports_without_training():
 
 def test_explain_of_a_micro_step_leaves_the_gradients_as_they_were():
     """A micro-step (backward, no opt.step()) keeps its gradients: explain hands back .grad as it was
-    (until 2026-11-24 it set zeros, which the next step then accumulated into)."""
+    (not zeros, which the next step would accumulate into)."""
     model, opt = mlp_and_opt()
 
     def micro_step(x, y):

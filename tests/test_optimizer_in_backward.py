@@ -440,8 +440,8 @@ def test_a_user_defined_optimizer_is_fused_and_matches_eager():
 @pytest.mark.parametrize("feature", ["optimizer_in_backward", "master_weights"])
 def test_a_user_defined_optimizer_traced_into_the_step_graph_is_refused_with_the_fix(feature):
     """Without the graph break Dynamo traces Lion.step() into the step graph, which then ends at
-    opt.zero_grad(). The refusal says so and names the one-line fix (until 2026-11-24 it asked to
-    "make everything between loss.backward() and opt.step() compile", which it did)."""
+    opt.zero_grad(). The refusal says so and names the one-line fix (not "make everything between
+    loss.backward() and opt.step() compile", which it does)."""
     model = MLP()
     if feature == "master_weights":
         model = model.to(torch.bfloat16)

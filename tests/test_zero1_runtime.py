@@ -101,9 +101,9 @@ def test_gradient_accumulation_equals_single_process_training_on_the_whole_batch
 def test_a_run_resumed_from_plain_optimizer_state_continues_exactly():
     """zero1 started from the state a user's optimizer already holds (eager steps, or
     opt.load_state_dict of a checkpoint without zero1): each rank takes its rows, so the run equals
-    one uninterrupted process (float64, 2 ranks, 5 eager steps then 15 zero1 steps). Until
-    2026-11-24 the sharded optimizer started fresh and left the full-size state in place: AdamW
-    8.5% off after 3 steps. Adagrad's constructor-made state is its own (the same either way);
+    one uninterrupted process (float64, 2 ranks, 5 eager steps then 15 zero1 steps). A sharded
+    optimizer that started fresh, leaving the full-size state in place, ended AdamW 8.5% off after
+    3 steps. Adagrad's constructor-made state is its own (the same either way);
     a rank that holds other state than rank 0 is refused on every rank."""
     cases = [{"optimizer": "AdamW", "partition": "even", "eager_steps": 5},
              {"optimizer": "AdamW", "partition": "greedy", "eager_steps": 5, "in_backward": True},
@@ -137,8 +137,8 @@ def _one_rank_group():
 
 def test_a_micro_step_keeps_this_ranks_gradients_and_updates_nothing():
     """Without optimizer_in_backward zero1 applies the update in the step that calls opt.step(); a
-    micro-step of gradient accumulation leaves its gradients in .grad, as eager autograd does (until
-    2026-11-24 it updated the parameters and dropped the gradients; then it was refused). An eager
+    micro-step of gradient accumulation leaves its gradients in .grad, as eager autograd does (it
+    neither updates the parameters nor drops the gradients). An eager
     opt.step() after it is refused (it ran, with this rank's gradients and full-size state)."""
     import torch
 
@@ -176,8 +176,8 @@ def test_a_micro_step_keeps_this_ranks_gradients_and_updates_nothing():
 def test_a_master_weights_checkpoint_without_zero1_resumes_under_zero1():
     """opt.state_dict() of a master_weights run holds the fp32 masters and state under one entry; loaded
     on every rank before the first zero1 step (masters sharded, in backward), each rank takes its rows
-    of both. Until 2026-11-24 the entry was ignored: moments restarted and the masters were re-read from
-    the bf16 parameters. Against the run uninterrupted on one process, whose whole-batch bf16 gradients
+    of both (ignoring the entry would restart the moments and re-read the masters from the bf16
+    parameters). Against the run uninterrupted on one process, whose whole-batch bf16 gradients
     differ from the two ranks' half-batch ones averaged in fp32 by roundings: measured 9.1e-5 on the
     masters (relative) and 0.002 on the parameters; 0.088 and 0.033 without the fix."""
     for rank, result in enumerate(values(run_ranks(2, workers.resume_master_weights_checkpoint))):
@@ -187,7 +187,7 @@ def test_a_master_weights_checkpoint_without_zero1_resumes_under_zero1():
 
 def test_a_plain_state_dict_of_a_sharded_optimizer_is_refused_with_the_way_to_save():
     """After the first compile each rank's state lives in its shards: opt.state_dict() returned no
-    state at all (silently, until 2026-11-24), and opt.load_state_dict() would not reach the shards."""
+    state at all, and opt.load_state_dict() would not reach the shards: both are refused."""
     import torch
 
     import optpass
