@@ -21,7 +21,7 @@ _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
          "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
          "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
          "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
-         "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dp", "bucket_size": "optpass.dp",
+         "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
          "master_weights": "optpass.mixed_precision", "skipped_steps": "optpass.grad_scaler"}
 
 

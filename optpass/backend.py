@@ -20,8 +20,8 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
                                   refuse_update_during_accumulation, shard_the_optimizer)
-from optpass.passes.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
-                                     check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
+from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
+                              check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.mixed_precision import master_state, refuse_without_low_precision
 from optpass.options import Options
 from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
