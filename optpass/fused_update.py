@@ -58,7 +58,7 @@ import torch.fx
 from optpass import grad_scaler
 from optpass.capture import CapturedGraph, module_buffers
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
+from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.rank_agreement import explain_failed_collective

@@ -60,7 +60,7 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
-from optpass.elementwise import refuse_non_elementwise
+from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
 from optpass.mixed_precision import LOW_PRECISION, refuse_step_outside_the_compiled_step
 from optpass.rank_agreement import agree

@@ -269,7 +269,7 @@ def test_an_optimizer_whose_update_is_not_elementwise_is_refused(name, ops, part
     """Each rank updates its flat piece of a bucket with an optimizer of the user's class: for an
     update that reads a whole parameter this computed something else, silently (Adafactor, 2 ranks, 5
     steps: 2.3% off single-process training, either partition). Now the check of the update's graph
-    (optpass/elementwise.py) refuses it on every rank before any collective."""
+    (optpass/optim/elementwise.py) refuses it on every rank before any collective."""
     import torch
 
     dist = _one_rank_group()
@@ -297,7 +297,7 @@ def test_every_elementwise_torch_optim_optimizer_passes_the_check():
     their update mixes a parameter's elements, in fp32 and on bf16 parameters with fp32 masters."""
     import torch
 
-    from optpass.elementwise import non_elementwise_ops
+    from optpass.optim.elementwise import non_elementwise_ops
     from test_optimizer_in_backward import OPTIMIZERS, TRAPS, Lion
 
     for name, make in {**OPTIMIZERS, **TRAPS, "lion (user-defined)": Lion}.items():

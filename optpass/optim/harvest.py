@@ -45,7 +45,7 @@ import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.errors import OptpassError
-from optpass.harvest_scalars import group_entry_role, tensorize_scalars
+from optpass.optim.scalars import group_entry_role, tensorize_scalars
 
 
 

@@ -60,7 +60,7 @@ def _verdict_key(optimizer, dtype) -> tuple:
 
 
 def _find_non_elementwise_ops(optimizer, dtype) -> list[str]:
-    from optpass.harvest import harvest_update
+    from optpass.optim.harvest import harvest_update
 
     stand_in = _stand_in_optimizer(optimizer, dtype)
     if stand_in is None:
