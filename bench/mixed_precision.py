@@ -161,7 +161,7 @@ def run_variant(args) -> None:
             if kind == "zero1":
                 shard = optpass.zero1.sharded_state(opt).shard_optimizer
                 return shard.state.values() if shard is not None else []
-            return optpass.mixed_precision.master_state(opt, torch.float32).master_optimizer.state.values()
+            return optpass.precision.masters.master_state(opt, torch.float32).master_optimizer.state.values()
 
     losses, warmup_s = [], []
     for i in range(args.warmup):

@@ -22,7 +22,7 @@ _LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
          "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
          "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
          "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
-         "master_weights": "optpass.mixed_precision", "skipped_steps": "optpass.grad_scaler"}
+         "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}
 
 
 def __getattr__(name):

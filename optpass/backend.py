@@ -22,7 +22,7 @@ from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, Sc
                                   refuse_update_during_accumulation, shard_the_optimizer)
 from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                               check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
-from optpass.mixed_precision import master_state, refuse_without_low_precision
+from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.options import Options
 from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
 from optpass.zero1 import sharded_state

@@ -55,7 +55,7 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.fx
 
-from optpass import grad_scaler
+from optpass.precision import grad_scaler
 from optpass.capture import CapturedGraph, module_buffers
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
@@ -541,7 +541,7 @@ class MasterWeightsStep(OptimizerInBackwardStep):
     feature = "master_weights"
 
     def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        from optpass.mixed_precision import master_state
+        from optpass.precision.masters import master_state
 
         self.masters = master_state(options.optimizer, options.master_weights)
         super().__init__(gm, captured, options, plain, compile_fn)

@@ -265,7 +265,7 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     if captured.kind is GraphKind.UPDATE:
         # opt.step() with gradients present: the fused step left none, so they come from elsewhere
         # (a compiled micro-step) and this update would bypass the masters
-        from optpass.mixed_precision import step_outside_message
+        from optpass.precision.masters import step_outside_message
 
         in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
         fed = [p.tensor for p in captured.params

@@ -50,9 +50,10 @@ _DEPTH = 4
 
 def _registries() -> list:
     """optpass's per-object records (weak dictionaries keyed by the user's optimizer or scaler)."""
-    from optpass import fused_update, grad_scaler, mixed_precision, zero1
+    from optpass import fused_update, zero1
+    from optpass.precision import grad_scaler, masters
 
-    return [mixed_precision._STORES, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
+    return [masters._STORES, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
             grad_scaler._MICRO_STEPS]
 
 

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
-from optpass.mixed_precision import LOW_PRECISION, refuse_step_outside_the_compiled_step
+from optpass.precision.masters import LOW_PRECISION, refuse_step_outside_the_compiled_step
 from optpass.rank_agreement import agree
 from optpass.zero1_state import adopt_unsharded_state, state_summary
 

@@ -116,7 +116,7 @@ def _unpack_master_weights_entry(optimizer) -> None:
     """Move a master_weights checkpoint's entry (state and fp32 masters by parameter index, in
     param-group order) to the parameters' own state entries, and its masters aside
     (``_UNPACKED_MASTERS``, {parameter: master}) until the optimizer is sharded."""
-    from optpass.mixed_precision import STATE_DICT_KEY
+    from optpass.precision.masters import STATE_DICT_KEY
 
     saved = optimizer.state.pop(STATE_DICT_KEY, None)
     if not saved:
@@ -161,7 +161,7 @@ def _refuse_unequal_bucket(bucket, held: list[int], params: list[torch.Tensor], 
 
 def _is_rounded(made: dict, values: dict, param: torch.Tensor, segment) -> bool:
     """Whether this rank's rows of `values` are the shard's constructor state rounded to their dtype."""
-    from optpass.mixed_precision import is_rounded_copy
+    from optpass.precision.masters import is_rounded_copy
 
     if made.keys() != values.keys():
         return False
