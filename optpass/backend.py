@@ -24,8 +24,8 @@ from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, ch
                               check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.options import Options
-from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
-from optpass.zero1 import sharded_state
+from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed
+from optpass.zero1.state import sharded_state
 from optpass.report import GraphReport, record
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this

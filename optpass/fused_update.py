@@ -61,7 +61,7 @@ from optpass.errors import OptpassError, warn_at_user_line
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
-from optpass.rank_agreement import explain_failed_collective
+from optpass.zero1.agreement import explain_failed_collective
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -417,7 +417,7 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
     take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
     ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
     gradients final (every step graph of the program runs the same backward)."""
-    from optpass.zero1 import gradient_order, sharded_optimizer, trainable_params
+    from optpass.zero1.state import gradient_order, sharded_optimizer, trainable_params
 
     names_by_id = {id(p.tensor): p.name for p in captured.params}
     placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}

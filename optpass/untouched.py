@@ -50,7 +50,8 @@ _DEPTH = 4
 
 def _registries() -> list:
     """optpass's per-object records (weak dictionaries keyed by the user's optimizer or scaler)."""
-    from optpass import fused_update, zero1
+    from optpass import fused_update
+    from optpass.zero1 import state as zero1
     from optpass.precision import grad_scaler, masters
 
     return [masters._STORES, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,

@@ -354,7 +354,7 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
 
 def _refuse_sharded_masters(optimizer: torch.optim.Optimizer) -> None:
     """With data_parallel='zero1' no rank holds every master: {parameter: master} cannot be had."""
-    from optpass.zero1 import _SHARDED
+    from optpass.zero1.state import _SHARDED
 
     sharded = _SHARDED.get(optimizer)
     if sharded is not None and sharded.master_dtype is not None:

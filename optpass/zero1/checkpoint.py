@@ -35,7 +35,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
-from optpass.zero1 import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
+from optpass.zero1.state import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
 MASTER_KEY = "master"            # a bf16/fp16 parameter's fp32 master, beside its optimizer state

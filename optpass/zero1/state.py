@@ -63,8 +63,8 @@ import torch.distributed as dist
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
 from optpass.precision.masters import LOW_PRECISION, refuse_step_outside_the_compiled_step
-from optpass.rank_agreement import agree
-from optpass.zero1_state import adopt_unsharded_state, state_summary
+from optpass.zero1.agreement import agree
+from optpass.zero1.adopt import adopt_unsharded_state, state_summary
 
 PARTITIONS = ("even", "greedy")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024   # DDP's default bucket_cap_mb
