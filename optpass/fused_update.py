@@ -417,7 +417,8 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
     take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
     ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
     gradients final (every step graph of the program runs the same backward)."""
-    from optpass.zero1.state import gradient_order, sharded_optimizer, trainable_params
+    from optpass.zero1.layout import gradient_order, trainable_params
+    from optpass.zero1.state import sharded_optimizer
 
     names_by_id = {id(p.tensor): p.name for p in captured.params}
     placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}

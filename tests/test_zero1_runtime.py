@@ -345,7 +345,7 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
     bucket holds half as many bf16 elements; fp32 parameters count 4 bytes either way."""
     import torch
 
-    from optpass.zero1.state import DEFAULT_BUCKET_BYTES, build_layout
+    from optpass.zero1.layout import DEFAULT_BUCKET_BYTES, build_layout
 
     bf16 = [(0, torch.empty(1024, 1024, dtype=torch.bfloat16)) for _ in range(32)]   # 2 MiB bf16, 4 MiB fp32
     sizes = lambda layout: [len(b.params) for b in layout.buckets]                 # noqa: E731
@@ -364,7 +364,7 @@ def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
     graph does not use last."""
     import torch.fx
 
-    from optpass.zero1.state import gradient_order
+    from optpass.zero1.layout import gradient_order
 
     graph = torch.fx.Graph()
     weight, bias, norm, unused = (graph.placeholder(n) for n in ("weight", "bias", "norm", "unused"))
