@@ -18,8 +18,10 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
-                                  refuse_update_during_accumulation, shard_the_optimizer)
+from optpass.runtime.fused_step import OptimizerInBackwardStep, refuse_update_during_accumulation
+from optpass.runtime.master_weights_step import MasterWeightsStep
+from optpass.runtime.scaled_micro_step import ScaledMicroStep
+from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
 from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                               check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.precision.masters import master_state, refuse_without_low_precision

@@ -50,7 +50,7 @@ _DEPTH = 4
 
 def _registries() -> list:
     """optpass's per-object records (weak dictionaries keyed by the user's optimizer or scaler)."""
-    from optpass import fused_update
+    from optpass.runtime import fused_step as fused_update
     from optpass.zero1 import state as zero1
     from optpass.precision import grad_scaler, masters
 

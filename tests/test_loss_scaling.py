@@ -381,7 +381,7 @@ def test_gradient_accumulation_with_batch_sizes_that_change():
     sizes; bitwise against the GradScaler-driven reference, the scale equal after every call."""
     from unittest import mock
 
-    from optpass.fused_update import ScaledMicroStep
+    from optpass.runtime.scaled_micro_step import ScaledMicroStep
 
     torch.manual_seed(0)
     start = MLP(SIZES).to(torch.float16)
