@@ -231,7 +231,7 @@ def _build(args, width: int, layers: int, rank: int):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + rank)
     if args.model == "mlp":
-        from optpass.models import MLP
+        from optpass.demo.models import MLP
         model = MLP((width,) * (layers + 1)).to(torch.bfloat16)
         data = [(torch.randn(args.batch, width, generator=g).to(torch.bfloat16),
                  torch.randn(args.batch, width, generator=g)) for _ in range(4)]

@@ -174,7 +174,7 @@ def run_variant(args) -> None:
     import torch.nn.functional as F
 
     import optpass  # every variant: same imports, trace_autograd_ops on (backward in the graph)
-    from optpass.models import MLP
+    from optpass.demo.models import MLP
 
     torch._dynamo.config.trace_autograd_ops = True
     kind, opt_name = args.child.split("/")

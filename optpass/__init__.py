@@ -17,9 +17,9 @@ from optpass.step import StepGraph
 
 __version__ = "0.1.0"
 
-_LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
-         "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
-         "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
+_LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.diff",
+         "estimate_peak_memory": "optpass.analysis.memory", "MemoryEstimate": "optpass.analysis.memory",
+         "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory",
          "save_sharded_checkpoint": "optpass.zero1.checkpoint", "load_sharded_checkpoint": "optpass.zero1.checkpoint",
          "optimizer_state_dict": "optpass.zero1.checkpoint", "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
          "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}

@@ -49,7 +49,7 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
         return "gradient" if node.name in gradient_names else None
 
     if keep:
-        from optpass.memory import estimate_peak_memory
+        from optpass.analysis.memory import estimate_peak_memory
 
         report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)
         report.largest_gradient_bytes = max((_nbytes(g) for g in step.gradient_nodes.values()), default=0)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 from parity import make_micro_step, make_step, mlp_data, mlp_loss
 from test_master_weights import OPTIMIZERS, SIZES, MegatronReference, master_diff, param_ulps
 

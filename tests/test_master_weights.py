@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 from parity import make_step, mlp_data, mlp_loss, unique_graphs
 
 STEPS = 20

@@ -7,7 +7,7 @@ import torch
 
 import optpass
 from optpass.capture import GraphKind
-from optpass.models import MLP, LMConfig, TinyLM, param_groups_no_decay
+from optpass.demo.models import MLP, LMConfig, TinyLM, param_groups_no_decay
 from parity import (Twin, make_step, max_rel_diff, mlp_data, mlp_loss, optimizer_state_diff, param_diff,
                     unique_graphs)
 

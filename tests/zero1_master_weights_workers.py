@@ -299,7 +299,7 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     optimizer_in_backward, lowered by Inductor: how many reduce buffers (the bf16 buckets the
     all-to-alls send) its generated schedule keeps alive at once (each bucket's update frees its buffer before the next bucket's is
     allocated: one)."""
-    from optpass.models import MLP
+    from optpass.demo.models import MLP
     torch._dynamo.reset()
     torch.manual_seed(0)
     width = 32
