@@ -67,9 +67,9 @@ def _compile(gm, example_inputs, options, mode):
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
     if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
-        return _lower(gm, example_inputs, {}, captured=captured, options=options)
+        return lowering.lower(gm, example_inputs, {}, captured=captured, options=options)
     runtime.check(gm, captured, options)
-    lower = functools.partial(_lower, captured=captured, options=options)
+    lower = functools.partial(lowering.lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
         plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
         return runtime.step(gm, captured, options, plain, lower)
@@ -202,21 +202,6 @@ def _scaled_micro_step(captured, options) -> bool:
             and captured.kind is GraphKind.STEP and not ends_at_optimizer_step(captured))
 
 
-def _lower(gm, example_inputs, context, *, captured, options):
-    """Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph."""
-    report = record(GraphReport(captured, options.lower))
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
-                                context=context)
-    if options.lower == "eager":
-        return lowering.lower_eager(gm, example_inputs, rewrite)
-    # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
-    key = repr((options.digest(), captured.roles_digest(),
-                sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
-    # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
-    patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
-    return lowering.lower_inductor(gm, example_inputs, rewrite, key, patches)
-
-
 def explaining_backend(gm, example_inputs, options=None):
     """optpass.explain's backend: the same capture and passes, run on nothing (no training)."""
     options = Options.from_user(options)
@@ -274,12 +259,13 @@ def explaining_backend(gm, example_inputs, options=None):
             else options.grad_scaler is not None and ends_at_optimizer_step(captured))
     if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
-        compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)
+        compile_fn = functools.partial(lowering.lower_for_explain, captured=captured, options=options,
+                                       report=report)
         runtime = fused_class(gm, captured, options, None, compile_fn)
         fused, _ = runtime._compile_fused(list(example_inputs))
         return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
-    return _leaving_gradients_alone(gm, captured, _lower_dry(gm, example_inputs, {}, captured=captured,
-                                                             options=options, report=report))
+    dry = lowering.lower_for_explain(gm, example_inputs, {}, captured=captured, options=options, report=report)
+    return _leaving_gradients_alone(gm, captured, dry)
 
 
 def _leaving_gradients_alone(gm, captured, run):
@@ -298,9 +284,3 @@ def _leaving_gradients_alone(gm, captured, run):
             outputs[i] = None if arg is None else args[arg]
         return tuple(outputs)
     return run_leaving_gradients
-
-
-def _lower_dry(gm, example_inputs, context, *, captured, options, report):
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
-                                context=context)
-    return lowering.lower_dry(gm, example_inputs, rewrite)
