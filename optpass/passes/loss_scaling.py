@@ -25,7 +25,7 @@ Rewrite, before the updates are spliced in (the pass runs first):
 After backward, the inf/nan check of each gradient runs right after it and the flags
 are combined at the end. Inside backward (optimizer_in_backward) the first update
 would run before the last gradient exists, so the check runs in a first, check-only
-copy of the backward (``clip_grad_norm_in_backward.first_backward``, shared with
+copy of the backward (``_graph_utils.first_backward``, shared with
 global-norm clipping), which reduces each gradient to a flag as soon as it exists.
 
 Effect: torch.amp.GradScaler's step, as ``scaler.scale(loss).backward();
@@ -72,9 +72,8 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
-from optpass.passes.clip_grad_norm_in_backward import (first_backward, in_graph_order, reduce_after,
-                                                       replacing_gradient)
-from optpass.passes.optimizer_in_backward import gradient_value, placeholders_by_dynamo_index
+from optpass.passes._graph_utils import (first_backward, gradient_value, in_graph_order, placeholders_by_dynamo_index,
+                                         reduce_after, replacing_gradient)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = "loss_scaling"

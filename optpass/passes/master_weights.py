@@ -57,8 +57,8 @@ import dataclasses
 import torch
 import torch.fx
 
-from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
-                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.passes._graph_utils import (copy_slice, last_node_update_must_follow, placeholders_by_dynamo_index,
+                                         take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = "master_update"

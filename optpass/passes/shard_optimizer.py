@@ -125,9 +125,8 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
-from optpass.passes.clip_grad_norm_in_backward import clip_coefficient, squared_norm, sum_all
-from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
-                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.passes._graph_utils import (clip_coefficient, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, squared_norm, sum_all, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = "sharded_update"
