@@ -14,6 +14,11 @@ from optpass.step import BACKWARD, GRADIENT_TRANSFORM, is_view
 
 aten = torch.ops.aten
 
+# Where the runtime puts the plan of a fused update in ``StepGraph.context`` (clip_grad_norm_in_backward
+# clips the gradients of either).
+OPTIMIZER_UPDATE = "optimizer_update"     # optimizer_in_backward's plan
+MASTER_UPDATE = "master_update"           # master_weights' plan
+
 
 # ---------------------------------------------------------------- a fused gradient and its update
 

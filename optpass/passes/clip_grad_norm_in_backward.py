@@ -41,9 +41,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import (clip_coefficient, first_backward, gradient_value, in_graph_order,
-                                         reduce_after, replacing_gradient, squared_norm, sum_all)
-from optpass.passes.optimizer_in_backward import CONTEXT_KEY
+from optpass.passes._graph_utils import (MASTER_UPDATE, OPTIMIZER_UPDATE, clip_coefficient, first_backward,
+                                         gradient_value, in_graph_order, reduce_after, replacing_gradient,
+                                         squared_norm, sum_all)
 
 aten = torch.ops.aten
 convert_element_type = torch.ops.prims.convert_element_type.default
@@ -63,9 +63,7 @@ def run(step, options) -> str | None:
 
 def fused_update_plan(step):
     """The update plan of this compile: optimizer_in_backward's or master_weights' (None: no fused update)."""
-    from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY
-
-    return step.context.get(CONTEXT_KEY) or step.context.get(MASTER_KEY)
+    return step.context.get(OPTIMIZER_UPDATE) or step.context.get(MASTER_UPDATE)
 
 
 def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: bool = True,

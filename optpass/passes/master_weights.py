@@ -57,11 +57,11 @@ import dataclasses
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import (copy_slice, last_node_update_must_follow, placeholders_by_dynamo_index,
-                                         take_gradient_outputs)
+from optpass.passes._graph_utils import (MASTER_UPDATE, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
-CONTEXT_KEY = "master_update"
+CONTEXT_KEY = MASTER_UPDATE
 
 convert_element_type = torch.ops.prims.convert_element_type.default
 

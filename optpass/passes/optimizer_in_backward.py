@@ -38,11 +38,11 @@ pipeline/expert parallelism, a step whose backward ran outside the graph.
 
 from __future__ import annotations
 
-from optpass.passes._graph_utils import (copy_slice, last_node_update_must_follow, placeholders_by_dynamo_index,
-                                         take_gradient_outputs)
+from optpass.passes._graph_utils import (OPTIMIZER_UPDATE, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
-CONTEXT_KEY = "optimizer_update"
+CONTEXT_KEY = OPTIMIZER_UPDATE
 
 
 def run(step, options) -> str | None:
