@@ -43,10 +43,6 @@ def _grad_scaler_type() -> type:
     return torch.amp.GradScaler
 
 
-# Issue 13, part 1: what master_weights supports so far (the error for the rest names the issue).
-MASTER_WEIGHTS_ISSUE = "issue 13 (mixed precision)"
-
-
 OPTIONS: tuple[Option, ...] = (
     Option("lower", (str,), "inductor",
            "how the rewritten graph runs: 'inductor' (compile_fx) or 'eager' (the aten graph as is)",

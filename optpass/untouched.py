@@ -54,7 +54,7 @@ def _registries() -> list:
     from optpass.zero1 import state as zero1
     from optpass.precision import grad_scaler, masters
 
-    return [masters._STORES, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
+    return [masters._STORES, masters._SHARDED_MASTERS, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
             grad_scaler._MICRO_STEPS]
 
 

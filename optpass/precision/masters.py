@@ -50,12 +50,13 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
-from optpass.options import MASTER_WEIGHTS_ISSUE
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 STATE_DICT_KEY = "optpass.master_weights"
 
 _STORES: WeakKeyDictionary = WeakKeyDictionary()
+# optimizer -> the number of ranks its fp32 masters are sharded over (data_parallel='zero1' notes it)
+_SHARDED_MASTERS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 class MasterWeights:
@@ -345,21 +346,23 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
         _refuse_sharded_masters(optimizer)
         raise OptpassError(
             "this optimizer has no master weights (yet): they are made from the parameters when a step "
-            "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs. "
-            f"({MASTER_WEIGHTS_ISSUE})")
+            "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs.")
     store.adopt_loaded()
     store.refresh()
     return {p: m for p, m in store.pairs()}
 
 
+def note_sharded_masters(optimizer: torch.optim.Optimizer, world: int) -> None:
+    """data_parallel='zero1' keeps `optimizer`'s fp32 masters sharded over `world` ranks."""
+    _SHARDED_MASTERS[optimizer] = world
+
+
 def _refuse_sharded_masters(optimizer: torch.optim.Optimizer) -> None:
     """With data_parallel='zero1' no rank holds every master: {parameter: master} cannot be had."""
-    from optpass.zero1.state import _SHARDED
-
-    sharded = _SHARDED.get(optimizer)
-    if sharded is not None and sharded.master_dtype is not None:
+    world = _SHARDED_MASTERS.get(optimizer)
+    if world is not None:
         raise OptpassError(
-            f"master_weights(opt): this optimizer's fp32 masters are sharded over the {sharded.pg.world} "
+            f"master_weights(opt): this optimizer's fp32 masters are sharded over the {world} "
             "ranks of data_parallel='zero1' (rank r holds the masters of its chunk of each bucket, with "
             "the optimizer state), so no rank has a full master of every parameter. This rank's pieces: "
             "optpass.zero1.sharded_state(opt).master_pieces() ({parameter index: [(start, stop, fp32 "

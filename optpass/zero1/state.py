@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
-from optpass.precision.masters import refuse_step_outside_the_compiled_step
+from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
 from optpass.zero1.agreement import agree
 from optpass.zero1.adopt import adopt_unsharded_state, state_summary
 from optpass.zero1.layout import Bucket, build_layout, on_masters, trainable_params
@@ -249,6 +249,8 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     optimizer.register_state_dict_pre_hook(refuse_plain_state_dict)
     optimizer.register_load_state_dict_pre_hook(refuse_plain_load_state_dict)
     _SHARDED[optimizer] = sharded
+    if master_dtype is not None:
+        note_sharded_masters(optimizer, pg.world)       # optpass.master_weights(opt) says where they are
     return sharded
 
 
