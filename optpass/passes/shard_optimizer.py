@@ -125,6 +125,7 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
+from optpass.options import COLLECTIVE_PLANS
 from optpass.passes._graph_utils import (clip_coefficient, copy_slice, last_node_update_must_follow,
                                          placeholders_by_dynamo_index, squared_norm, sum_all, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
@@ -649,7 +650,9 @@ class AllReducePlan:
 # A plan: describe(layout), start_reduce / finish_reduce ("reduce this bucket, give me my
 # chunk"), start_gather / finish_gather ("gather these chunks"). bench/zero1.py adds one without
 # communication, to time the step without it.
-PLANS = {"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan}
+# by name (option 'collectives'); options validates the option against this dict
+PLANS = COLLECTIVE_PLANS
+PLANS.update({"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan})
 
 
 def _own(emit: _Emitter, value: torch.fx.Node) -> torch.fx.Node:
