@@ -21,12 +21,13 @@ _LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.
          "estimate_peak_memory": "optpass.analysis.memory", "MemoryEstimate": "optpass.analysis.memory",
          "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory",
          "save_sharded_checkpoint": "optpass.zero1.checkpoint", "load_sharded_checkpoint": "optpass.zero1.checkpoint",
-         "optimizer_state_dict": "optpass.zero1.checkpoint", "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
+         "optimizer_state_dict": "optpass.zero1.checkpoint",
+         "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
          "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}
 
 
 def __getattr__(name):
-    # The analysis tools load on first use: the backend itself does not need them.
+    # Names of the tools, checkpoints and DP-SGD helpers: their modules load on first use.
     import importlib
 
     if name in _LAZY:

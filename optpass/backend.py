@@ -18,17 +18,17 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
+from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
+                              check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
+from optpass.options import Options
+from optpass.precision.masters import master_state, refuse_without_low_precision
+from optpass.report import GraphReport, record
 from optpass.runtime.fused_step import OptimizerInBackwardStep, refuse_update_during_accumulation
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
-from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
-                              check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
-from optpass.precision.masters import master_state, refuse_without_low_precision
-from optpass.options import Options
 from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed
 from optpass.zero1.state import sharded_state
-from optpass.report import GraphReport, record
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
 # module before Dynamo traces anything, so backward() is captured from the first call.

@@ -48,6 +48,7 @@ import torch.fx
 from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, backward_outside_message,
                              is_existing_gradient, readable_source, source_name)
 from optpass.errors import OptpassError, SourceLine, node_user_line, stack_frames
+from optpass.precision.masters import step_outside_message
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
 
@@ -265,8 +266,6 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     if captured.kind is GraphKind.UPDATE:
         # opt.step() with gradients present: the fused step left none, so they come from elsewhere
         # (a compiled micro-step) and this update would bypass the masters
-        from optpass.precision.masters import step_outside_message
-
         in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
         fed = [p.tensor for p in captured.params
                if p.name in captured.gradient_inputs and id(p.tensor) in in_optimizer]

@@ -29,6 +29,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from optpass import passes
+from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph
 from optpass.errors import OptpassError, user_line
 from optpass.report import GraphReport, keeping_graphs, record
@@ -49,8 +50,6 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
         return "gradient" if node.name in gradient_names else None
 
     if keep:
-        from optpass.analysis.memory import estimate_peak_memory
-
         report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)
         report.largest_gradient_bytes = max((_nbytes(g) for g in step.gradient_nodes.values()), default=0)
         report.graph_before = _snapshot(graph)

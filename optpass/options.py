@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from typing import Any
+
+import torch
 
 from optpass.errors import OptpassError
 
@@ -38,20 +41,14 @@ class Option:
 
 
 def _optimizer_type() -> type:
-    import torch
-
     return torch.optim.Optimizer
 
 
 def _dtype_type() -> type:
-    import torch
-
     return torch.dtype
 
 
 def _grad_scaler_type() -> type:
-    import torch
-
     return torch.amp.GradScaler
 
 
@@ -267,8 +264,6 @@ def _check_combinations(options: Options) -> None:
 def _refuse_scaler_disabled_by_torch(scaler) -> None:
     """GradScaler("cuda") on a machine without CUDA disables itself (torch warns once): taking it as
     'no scaling' would train fp16 unscaled and unchecked, which the user did not ask for."""
-    import torch
-
     if getattr(scaler, "_device", None) == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
         raise OptpassError(
             "grad_scaler is a torch.amp.GradScaler('cuda') on a machine without CUDA, which torch disabled "
@@ -280,15 +275,11 @@ def _refuse_scaler_disabled_by_torch(scaler) -> None:
 
 def _step_needs_a_closure(optimizer) -> bool:
     """torch.optim.LBFGS and other optimizers whose step(closure) has no default."""
-    import inspect
-
     closure = inspect.signature(type(optimizer).step).parameters.get("closure") if optimizer is not None else None
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_master_weights(options: Options) -> None:
-    import torch
-
     if options.master_weights is not torch.float32:
         raise OptpassError(
             f"master_weights must be torch.float32 (the dtype of the master copies), got "

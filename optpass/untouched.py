@@ -42,6 +42,9 @@ from typing import Any
 import torch
 
 from optpass.errors import OptpassError
+from optpass.precision import grad_scaler, masters
+from optpass.runtime import fused_step
+from optpass.zero1 import state as zero1_state
 
 # How deep containers are followed from an object's attributes: optimizer.__dict__ -> param_groups
 # -> a group -> its params list; optimizer.__dict__ -> state -> a parameter's state dict -> tensors.
@@ -50,12 +53,8 @@ _DEPTH = 4
 
 def _registries() -> list:
     """optpass's per-object records (weak dictionaries keyed by the user's optimizer or scaler)."""
-    from optpass.runtime import fused_step as fused_update
-    from optpass.zero1 import state as zero1
-    from optpass.precision import grad_scaler, masters
-
-    return [masters._STORES, masters._SHARDED_MASTERS, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
-            grad_scaler._MICRO_STEPS]
+    return [masters._STORES, masters._SHARDED_MASTERS, zero1_state._SHARDED, fused_step._SESSIONS,
+            grad_scaler._SKIPS, grad_scaler._MICRO_STEPS]
 
 
 def _live_objects() -> tuple[list, list]:

@@ -20,12 +20,14 @@ refusal.
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
 import torch.fx
 
 from optpass.errors import OptpassError
+from optpass.optim.harvest import harvest_update
 
 STAND_IN_SHAPE = (3, 4)         # 2-D (Adafactor factors it, Muon accepts it), and no scalar has 12 elements
 _SIZE = STAND_IN_SHAPE[0] * STAND_IN_SHAPE[1]
@@ -60,8 +62,6 @@ def _verdict_key(optimizer, dtype) -> tuple:
 
 
 def _find_non_elementwise_ops(optimizer, dtype) -> list[str]:
-    from optpass.optim.harvest import harvest_update
-
     stand_in = _stand_in_optimizer(optimizer, dtype)
     if stand_in is None:
         return []          # the class cannot be built this way: the sharded one's build says why
@@ -79,8 +79,6 @@ def _find_non_elementwise_ops(optimizer, dtype) -> list[str]:
 
 
 def _stand_in_optimizer(optimizer, dtype):
-    import inspect
-
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}

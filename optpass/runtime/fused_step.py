@@ -55,12 +55,12 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.fx
 
-from optpass.precision import grad_scaler
-from optpass.capture import CapturedGraph
+from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
+from optpass.precision import grad_scaler
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -350,8 +350,6 @@ def _layout_of(value: Any) -> Any:
 
 def refuse_update_during_accumulation(captured: CapturedGraph, options) -> None:
     """With accumulation_steps > 1 optpass applies the update; an opt.step() in the step would too."""
-    from optpass.capture import GraphKind
-
     if captured.kind is not GraphKind.UPDATE or options.accumulation_steps == 1:
         return
     fused = {id(p) for g in options.optimizer.param_groups for p in g["params"]}

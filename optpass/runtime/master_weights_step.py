@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from optpass.capture import CapturedGraph
+from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY, MasterPlan
+from optpass.precision.masters import master_state
 from optpass.runtime.fused_step import OptimizerInBackwardStep
 
 
@@ -23,8 +25,6 @@ class MasterWeightsStep(OptimizerInBackwardStep):
     feature = "master_weights"
 
     def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        from optpass.precision.masters import master_state
-
         self.masters = master_state(options.optimizer, options.master_weights)
         super().__init__(gm, captured, options, plain, compile_fn)
 
@@ -51,7 +51,5 @@ class MasterWeightsStep(OptimizerInBackwardStep):
         return [name for name, master in names.items() if master is not self.fused[name]]
 
     def _make_plan(self, harvested, lr_index, state_index, param_index):
-        from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY, MasterPlan
-
         return MASTER_KEY, MasterPlan(harvested, lr_index, state_index, param_index,
                                       in_backward=self.options.optimizer_in_backward)

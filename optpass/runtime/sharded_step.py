@@ -6,8 +6,11 @@ import torch.fx
 
 from optpass.capture import CapturedGraph, module_buffers
 from optpass.errors import OptpassError
+from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
 from optpass.runtime.fused_step import OptimizerInBackwardStep
 from optpass.zero1.agreement import explain_failed_collective
+from optpass.zero1.layout import gradient_order, trainable_params
+from optpass.zero1.state import sharded_optimizer
 
 
 def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, options):
@@ -16,9 +19,6 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
     take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
     ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
     gradients final (every step graph of the program runs the same backward)."""
-    from optpass.zero1.layout import gradient_order, trainable_params
-    from optpass.zero1.state import sharded_optimizer
-
     names_by_id = {id(p.tensor): p.name for p in captured.params}
     placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}
     trainable = trainable_params(options.optimizer)
@@ -116,8 +116,6 @@ class ShardedStep(OptimizerInBackwardStep):
         return self.sharded.pg.name
 
     def _make_plan(self, harvested, lr_index, state_index, param_index):
-        from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
-
         device = self.sharded.params[0][1].device
         return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
                                     in_backward=self.options.optimizer_in_backward,

@@ -36,6 +36,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
+from optpass.precision.masters import STATE_DICT_KEY, is_rounded_copy
 
 # a master_weights checkpoint's fp32 masters, between the ranks' agreement and the sharding
 _UNPACKED_MASTERS: WeakKeyDictionary = WeakKeyDictionary()
@@ -116,8 +117,6 @@ def _unpack_master_weights_entry(optimizer) -> None:
     """Move a master_weights checkpoint's entry (state and fp32 masters by parameter index, in
     param-group order) to the parameters' own state entries, and its masters aside
     (``_UNPACKED_MASTERS``, {parameter: master}) until the optimizer is sharded."""
-    from optpass.precision.masters import STATE_DICT_KEY
-
     saved = optimizer.state.pop(STATE_DICT_KEY, None)
     if not saved:
         return
@@ -161,8 +160,6 @@ def _refuse_unequal_bucket(bucket, held: list[int], params: list[torch.Tensor], 
 
 def _is_rounded(made: dict, values: dict, param: torch.Tensor, segment) -> bool:
     """Whether this rank's rows of `values` are the shard's constructor state rounded to their dtype."""
-    from optpass.precision.masters import is_rounded_copy
-
     if made.keys() != values.keys():
         return False
     scalars = {k for k, v in values.items() if _is_scalar_entry(k, v, param)}

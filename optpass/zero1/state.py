@@ -38,8 +38,8 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.distributed as dist
 
-from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.errors import OptpassError
+from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
 from optpass.zero1.agreement import agree
 from optpass.zero1.adopt import adopt_unsharded_state, state_summary
