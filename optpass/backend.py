@@ -23,7 +23,7 @@ from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, ch
 from optpass.options import Options
 from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.report import GraphReport, record
-from optpass.runtime.fused_step import OptimizerInBackwardStep, refuse_update_during_accumulation
+from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulation
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
@@ -191,7 +191,7 @@ STEP_RUNTIMES = (
     # torch.optim's own update fused into backward; a grad_scaler's step fuses it too (after
     # backward without optimizer_in_backward): a skipped step must skip it in the same graph
     StepRuntime("optimizer_in_backward", lambda o: o.optimizer_in_backward or o.grad_scaler is not None,
-                _check_fused_update, OptimizerInBackwardStep),
+                _check_fused_update, FusedStep),
 )
 
 
@@ -248,22 +248,17 @@ def explaining_backend(gm, example_inputs, options=None):
             verdict, scaler_legal = f"grad_scaler refused: {error}", False
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
     in_backward_legal = "optimizer_in_backward is legal" in (report.legality or "")
-    if options.master_weights is not None and options.data_parallel is None:
-        fused_class = MasterWeightsStep
-        fuse = masters_legal and scaler_legal and (in_backward_legal if options.optimizer_in_backward
-                                                   else ends_at_optimizer_step(captured))
-    else:
-        fused_class = OptimizerInBackwardStep
-        fuse = options.data_parallel is None and scaler_legal and (
-            in_backward_legal if options.optimizer_in_backward
-            else options.grad_scaler is not None and ends_at_optimizer_step(captured))
+    # The runtime the real step would run (STEP_RUNTIMES), where the legality above holds; zero1's
+    # shards are not made for an explanation.
+    runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    fuse = (runtime is not None and runtime.step is not ShardedStep and scaler_legal
+            and (masters_legal or runtime.step is not MasterWeightsStep)
+            and (in_backward_legal if options.optimizer_in_backward else ends_at_optimizer_step(captured)))
     if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
         compile_fn = functools.partial(lowering.lower_for_explain, captured=captured, options=options,
                                        report=report)
-        runtime = fused_class(gm, captured, options, None, compile_fn)
-        fused, _ = runtime._compile_fused(list(example_inputs))
-        return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
+        return runtime.step(gm, captured, options, None, compile_fn).compile_for_explain(example_inputs)
     dry = lowering.lower_for_explain(gm, example_inputs, {}, captured=captured, options=options, report=report)
     return _leaving_gradients_alone(gm, captured, dry)
 

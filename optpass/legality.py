@@ -180,7 +180,7 @@ def check_grad_scaler(captured: CapturedGraph, options) -> None:
     _refuse_unseen_gradient_transforms(captured, "grad_scaler", options.optimizer)
     # Without optimizer_in_backward a step without opt.step() is a micro-step of gradient
     # accumulation: it scales its backward and leaves the scaled gradients in .grad
-    # (fused_update.ScaledMicroStep); the next whole step unscales and checks their sum.
+    # (runtime/scaled_micro_step.py); the next whole step unscales and checks their sum.
     if options.optimizer_in_backward and captured.accumulating:
         raise OptpassError(
             "grad_scaler with optimizer_in_backward: this step accumulates into existing .grad tensors "

@@ -13,7 +13,7 @@ nothing can stop from outside Dynamo:
   ``capturable`` in the param groups of an optimizer without state.
 
 optpass's own compile of a fused step adds to that: the harvest of torch.optim's
-update (``harvest.py``) runs ``_init_group`` too, ``master_weights`` makes the
+update (``optim/harvest.py``) runs ``_init_group`` too, ``master_weights`` makes the
 fp32 masters and their optimizer (hooks on the user's optimizer, its state moved
 into the masters'), a ``grad_scaler``'s scale is created lazily.
 

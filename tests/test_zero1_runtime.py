@@ -358,7 +358,7 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
 
 
 def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
-    """zero1.gradient_order: a module that registers its norm weight last but uses it first (a
+    """zero1.layout.gradient_order: a module that registers its norm weight last but uses it first (a
     transformer layer) has its norm's gradient final last: the order is the reverse of first use,
     ties (a weight and its bias, used by one node) in reverse parameter order, and a parameter the
     graph does not use last."""

@@ -1,6 +1,6 @@
 """Whether an optimizer's update is elementwise: what sharding it over flat buckets (ZeRO-1) needs.
 
-optpass's ZeRO-1 (``zero1.py``) updates this rank's piece of each flat bucket with an
+optpass's ZeRO-1 (``zero1/``) updates this rank's piece of each flat bucket with an
 optimizer of the user's class over that flat piece. That is the user's update only if
 each element's new value depends on nothing but that element's parameter, gradient and
 state, and on scalars (lr, the step counter): SGD, Adam(W), Adagrad, RMSprop, NAdam,
@@ -10,7 +10,7 @@ matrices) or an optimizer with a per-parameter trust ratio (LAMB, LARS: a norm o
 whole parameter): over a flat piece they compute something else, silently (measured,
 Adafactor on 2 ranks: 2.3% off single-process training after 5 steps).
 
-The check runs the same trace the step's update comes from (``harvest.py``): the update of
+The check runs the same trace the step's update comes from (``optim/harvest.py``): the update of
 a stand-in optimizer of the user's class, param-group settings and dtype, over one small
 2-D parameter per group, as an aten graph. Every op there that reads or makes a
 parameter-sized tensor must be pointwise (``torch.Tag.pointwise``), a copy, a view that

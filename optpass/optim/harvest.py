@@ -145,7 +145,7 @@ def _record_update_graphs(optimizer, params, float_lrs, roles) -> tuple[list[_Re
     """Compile opt.step as one graph with a backend that records it and runs nothing.
 
     Returns the recorded graphs and whether they compute Python numbers from tensors
-    (``harvest_scalars``: Adafactor's ``step.item()``), which the usual trace cannot hold.
+    (``scalars``: Adafactor's ``step.item()``), which the usual trace cannot hold.
     `roles()` names every tensor the update may read, by identity; it is asked while
     Dynamo compiles, after torch.optim's ``_init_group`` created any missing state."""
     try:

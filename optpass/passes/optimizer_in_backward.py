@@ -1,10 +1,10 @@
 """Pass optimizer_in_backward: each parameter's update runs as soon as its gradient is final.
 
-Precondition: a step graph whose legality was proved (``legality.py``: every
+Precondition: a step graph whose legality was proved (``optpass/legality.py``: every
 fused parameter's gradient depends on its own raw gradient only), the
-optimizer's update harvested from torch.optim itself (``harvest.py``), and the
+optimizer's update harvested from torch.optim itself (``optim/harvest.py``), and the
 optimizer's state tensors and per-group lr as extra inputs of the step graph
-(``fused_update.py`` adds them).
+(``runtime/fused_step.py`` adds them).
 
 Rewrite: for each fused parameter ``p``, the harvested slice that updates ``p``
 and its state is copied into the step graph, its placeholders bound to

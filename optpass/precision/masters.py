@@ -17,7 +17,7 @@ This module holds what lives outside the step graph, per user optimizer:
 * **the master optimizer** — a torch.optim optimizer of the user's class and
   hyper-parameters over the masters, in the same param groups (each holds the
   masters made so far of its group). It is the one
-  whose update optpass harvests (``harvest.py``) and fuses into the step, so its
+  whose update optpass harvests (``optim/harvest.py``) and fuses into the step, so its
   state is created by torch.optim itself, in fp32. The user's optimizer never
   steps and never holds state; lr is read from the user's param groups at every
   step, so LR schedulers keep working;
@@ -37,7 +37,7 @@ This module holds what lives outside the step graph, per user optimizer:
 ``optpass.master_weights(opt)`` returns ``{parameter: master}`` for the parameters updated so far.
 
 With ``data_parallel="zero1"`` none of this is made: each rank keeps only the
-masters of its shard, as the shard optimizer's parameters (``zero1.py``), saved by
+masters of its shard, as the shard optimizer's parameters (``zero1/state.py``), saved by
 ``optpass.save_sharded_checkpoint``; ``master_weights(opt)`` then says so.
 """
 

@@ -1,5 +1,8 @@
-"""The step callable that runs the optimizer inside backward (options optimizer_in_backward).
+"""The step callable whose graph runs the update: torch.optim's update fused into the step graph,
+inside backward (options optimizer_in_backward) or after it (a grad_scaler's step).
 
+``FusedStep`` is also the base of the steps that update on fp32 masters
+(``master_weights_step.py``) and on this rank's ZeRO-1 shard (``sharded_step.py``).
 Dynamo calls this object in place of the step graph. Each call is one
 micro-step; with ``accumulation_steps=K`` micro-steps 1..K-1 of a window run
 the plain graph (gradients accumulate into ``.grad``) and micro-step K runs the
@@ -11,7 +14,7 @@ outside the compiled step (the end-of-epoch flush); ``.grad`` the user left in
 place is part of the window (``_Session``).
 
 Every update is fused, the first one included: the update is harvested from
-torch.optim (``harvest.py``) for the optimizer's state *as it is now*, the step
+torch.optim (``optim/harvest.py``) for the optimizer's state *as it is now*, the step
 graph gets the optimizer's state tensors and each group's lr as extra inputs
 (docs/design.md §19), and the ``optimizer_in_backward`` pass splices each parameter's
 update in after its gradient is final. So no step of the run holds more than a
@@ -29,7 +32,7 @@ few gradients at once — the whole run's peak is the fused step's:
   ``add_param_group`` — harvests and compiles again (usually twice a run at most).
 
 With a ``grad_scaler`` the graph also gets the scaler's tensors (scale, growth
-tracker, optpass's skip flag and count: ``grad_scaler.py``), its loss is
+tracker, optpass's skip flag and count: ``precision/grad_scaler.py``), its loss is
 multiplied by the scale (``loss_scaling.scale_loss``), and the update is fused
 even without optimizer_in_backward (after backward: a skipped step must skip it
 in the same graph). State a skipped first update created is not stored: eager
@@ -130,8 +133,10 @@ class _FusedGraph:
     hyperparameters: list[dict]
 
 
-class OptimizerInBackwardStep:
-    feature = "optimizer_in_backward"
+class FusedStep:
+    """Runs a step whose graph applies torch.optim's update (see the module docstring)."""
+
+    feature = "optimizer_in_backward"     # how error messages name the option that fused the update
 
     def __init__(self, gm: torch.fx.GraphModule, captured: CapturedGraph, options, plain: Callable,
                  compile_fn: Callable[[torch.fx.GraphModule, list, dict], Callable]):
@@ -199,6 +204,13 @@ class OptimizerInBackwardStep:
         for slot in self.fused_slots:
             outputs[slot] = None
         return outputs
+
+    def compile_for_explain(self, example_inputs: list) -> Callable:
+        """optpass.explain: compile the fused graph the first real step compiles (torch.optim's update
+        harvested and spliced in, lowered by ``compile_fn``) and return what runs it: the step's
+        outputs without the fused gradients, nothing stored into the optimizer's state."""
+        fused, _ = self._compile_fused(list(example_inputs))
+        return lambda *args: self._without_fused_gradients(list(fused.run(*args, *fused.extras())))
 
     # -------------------------------------------------------------- fused
 

@@ -7,14 +7,14 @@ import torch
 from optpass.capture import CapturedGraph
 from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY, MasterPlan
 from optpass.precision.masters import master_state
-from optpass.runtime.fused_step import OptimizerInBackwardStep
+from optpass.runtime.fused_step import FusedStep
 
 
-class MasterWeightsStep(OptimizerInBackwardStep):
+class MasterWeightsStep(FusedStep):
     """The step callable for master_weights (with or without optimizer_in_backward).
 
-    Same life cycle as OptimizerInBackwardStep, but the update is the master
-    optimizer's (``mixed_precision.py``: the user's class and hyper-parameters
+    Same life cycle as FusedStep, but the update is the master
+    optimizer's (``precision/masters.py``: the user's class and hyper-parameters
     over fp32 masters): the ``master_weights`` pass casts each bf16/fp16 gradient
     to fp32, runs torch.optim's harvested update on the master, and copies the
     rounded master into the parameter, inside backward (optimizer_in_backward) or

@@ -7,14 +7,14 @@ import torch.fx
 from optpass.capture import CapturedGraph, module_buffers
 from optpass.errors import OptpassError
 from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
-from optpass.runtime.fused_step import OptimizerInBackwardStep
+from optpass.runtime.fused_step import FusedStep
 from optpass.zero1.agreement import explain_failed_collective
 from optpass.zero1.layout import gradient_order, trainable_params
 from optpass.zero1.state import sharded_optimizer
 
 
 def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, options):
-    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.sharded_optimizer``), made at the first
+    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.state.sharded_optimizer``), made at the first
     compile of any step graph that uses it, a micro-step's included: the ranks agree on the model and
     take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
     ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
@@ -30,11 +30,11 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
                              step=options.across_ranks(), replicated={**frozen, **module_buffers(gm)})
 
 
-class ShardedStep(OptimizerInBackwardStep):
+class ShardedStep(FusedStep):
     """The step callable for data_parallel='zero1' (with or without optimizer_in_backward).
 
-    Same life cycle as OptimizerInBackwardStep, but the update is this rank's
-    shard optimizer's (``zero1.py``): from the first update on, the ``shard_optimizer``
+    Same life cycle as FusedStep, but the update is this rank's
+    shard optimizer's (``zero1/state.py``): from the first update on, the ``shard_optimizer``
     pass puts reduce-scatter, shard update and all-gather into the step graph (the
     shard optimizer's state is created 1/N-sized, as torch.optim's first step would).
     With master_weights the fp32 master shards are extra inputs of the fused graph,

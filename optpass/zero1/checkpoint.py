@@ -1,6 +1,6 @@
 """Save and load a ZeRO-1 sharded optimizer with torch.distributed.checkpoint (DCP).
 
-Each rank holds its chunk of every bucket (``zero1.py``); the chunk boundaries
+Each rank holds its chunk of every bucket (``state.py``); the chunk boundaries
 depend on the world size, the partition and the bucket size. A checkpoint
 therefore stores the state in a layout-free form, the one a single process
 would have: for parameter ``i`` (optimizer order) and state key ``k``, a flat

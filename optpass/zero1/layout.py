@@ -14,7 +14,7 @@ DDP). Each bucket is split over the N ranks by one of two partitions:
 - ``"even"`` (default, DeepSpeed's): the bucket's flat concatenation, padded to
   a multiple of N, in N equal chunks; a parameter may be split across ranks.
   reduce_scatter + all_gather bytes equal DDP's all-reduce; needs an elementwise optimizer
-  (every torch.optim optimizer but Adafactor/Muon/LBFGS/SparseAdam; ``elementwise.py``
+  (every torch.optim optimizer but Adafactor/Muon/LBFGS/SparseAdam; ``optim/elementwise.py``
   checks the update's graph and refuses the others, for either partition: each rank's
   chunk is one flat tensor).
 - ``"greedy"`` (ZeroRedundancyOptimizer's sorted-greedy): whole parameters,

@@ -25,7 +25,7 @@ module holds what does not live in a graph:
 * **every update in the graph** — the ``shard_optimizer`` pass puts collectives
   and the shard optimizer's update into the step graph from the first step on;
   the shard optimizer's state is created as torch.optim's first step creates it
-  (``harvest.py``), 1/N of the unsharded state, with no full gradients held.
+  (``optim/harvest.py``), 1/N of the unsharded state, with no full gradients held.
 """
 
 from __future__ import annotations
