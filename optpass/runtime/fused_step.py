@@ -285,7 +285,7 @@ class FusedStep:
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         # extra inputs, in this order: each group's lr, the scaler's tensors, separate parameters
         # (masters), state
-        first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
+        first_extra = append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
                                            [f"optpass_master_{n}".replace(".", "_") for n in separate] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
         first_master = first_extra + len(groups) + len(scaler_names)
@@ -320,7 +320,7 @@ class FusedStep:
         inputs = extras()
         # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
         # tensors: a size Dynamo made dynamic (sequence length, last batch) stays symbolic.
-        run = self.compile_fn(gm, _symbolic_inputs(self.gm, args, inputs), context)
+        run = self.compile_fn(gm, symbolic_inputs(self.gm, args, inputs), context)
         return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
@@ -340,7 +340,7 @@ class FusedStep:
                     f"OneCycleLR(cycle_momentum=False), or drop {self.feature}.")
 
 
-def _symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
+def symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
     """Dynamo's example values of the step's inputs (fake tensors, SymInts) + fakes of the extras."""
     from torch._guards import detect_fake_mode
 
@@ -379,7 +379,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
+def append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
     """Add inputs after the existing ones; returns the index of the first new one."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_before(placeholders[-1].next):

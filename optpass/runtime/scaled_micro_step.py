@@ -11,7 +11,7 @@ import torch.fx
 from optpass.capture import CapturedGraph
 from optpass.passes import loss_scaling
 from optpass.precision import grad_scaler
-from optpass.runtime.fused_step import _append_placeholders, _symbolic_inputs
+from optpass.runtime.fused_step import append_placeholders, symbolic_inputs
 
 
 class ScaledMicroStep:
@@ -39,6 +39,6 @@ class ScaledMicroStep:
     @torch._dynamo.disable
     def _compile(self, args: list, scale: torch.Tensor) -> Callable:
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-        index = _append_placeholders(gm, ["optpass_scale"])
+        index = append_placeholders(gm, ["optpass_scale"])
         loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][index])
-        return self.compile_fn(gm, _symbolic_inputs(self.gm, args, [scale]), {})
+        return self.compile_fn(gm, symbolic_inputs(self.gm, args, [scale]), {})

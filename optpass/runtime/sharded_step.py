@@ -14,8 +14,8 @@ from optpass.zero1.state import sharded_optimizer
 
 
 def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, options):
-    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.state.sharded_optimizer``), made at the first
-    compile of any step graph that uses it, a micro-step's included: the ranks agree on the model and
+    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.state.sharded_optimizer``), made at the
+    first compile of any step graph that uses it, a micro-step's included: the ranks agree on the model and
     take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
     ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
     gradients final (every step graph of the program runs the same backward)."""
