@@ -96,7 +96,7 @@ def _setup_torch(threads: int):
 
 
 def _make_training(torch, model_cfg: dict, seed: int = 0):
-    from optpass.models import LMConfig, TinyLM, batches, synthetic_corpus
+    from optpass.demo.models import LMConfig, TinyLM, batches, synthetic_corpus
 
     cfg = LMConfig(vocab=model_cfg["vocab"], d_model=model_cfg["d_model"], n_heads=model_cfg["n_heads"],
                    n_layers=model_cfg["n_layers"], seq_len=model_cfg["seq_len"])

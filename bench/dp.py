@@ -85,7 +85,7 @@ def build_model(args):
     import torch
     import torch.nn as nn
 
-    from optpass.models import LMConfig, TinyLM
+    from optpass.demo.models import LMConfig, TinyLM
 
     class DPLM(TinyLM):
         """TinyLM that Opacus supports: positions as nn.Embedding, untied head."""

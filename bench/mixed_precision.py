@@ -152,7 +152,7 @@ def run_variant(args) -> None:
             if kind == "zero1":
                 shard = optpass.zero1.sharded_state(opt).shard_optimizer
                 return shard.state.values() if shard is not None else []
-            return optpass.mixed_precision.master_state(opt, torch.float32).master_optimizer.state.values()
+            return optpass.precision.masters.master_state(opt, torch.float32).master_optimizer.state.values()
 
     losses, warmup_s = [], []
     for i in range(args.warmup):
@@ -222,7 +222,7 @@ def _build(args, width: int, layers: int, rank: int):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + rank)
     if args.model == "mlp":
-        from optpass.models import MLP
+        from optpass.demo.models import MLP
         model = MLP((width,) * (layers + 1)).to(torch.bfloat16)
         data = [(torch.randn(args.batch, width, generator=g).to(torch.bfloat16),
                  torch.randn(args.batch, width, generator=g)) for _ in range(4)]

@@ -63,7 +63,7 @@ user's process would not hold). A measured child reports:
   AdamW is 4 (parameter) + 8 (state) + 4 (gradient) = 16 B/param with every
   gradient alive, 12 when updates run in backward; SGD with momentum 12 and 8;
 * **step time**: median (and minimum) of the measured steps (``time.perf_counter``);
-* the **graph-level estimate** (``optpass.memory``) of the compile where
+* the **graph-level estimate** (``optpass.analysis.memory``) of the compile where
   ``optimizer_in_backward`` was applied, from whichever warm-up call made it:
   gradient bytes live at the estimated peak and the estimated peak, before vs after
   the passes.
@@ -166,7 +166,7 @@ def run_variant(args) -> None:
     import torch.nn.functional as F
 
     import optpass  # every variant: same imports, trace_autograd_ops on (backward in the graph)
-    from optpass.models import MLP
+    from optpass.demo.models import MLP
 
     torch._dynamo.config.trace_autograd_ops = True
     kind, opt_name = args.child.split("/")
@@ -424,7 +424,7 @@ def _print_goals(opt: str, summary: dict, ratios: dict, grad_bytes: int) -> None
 
 
 def _print_estimate(estimate: dict, grad_bytes: int) -> None:
-    print(f"  graph-level estimate (optpass.memory, {estimate['lowering']} lowering, the fused compile; "
+    print(f"  graph-level estimate (optpass.analysis.memory, {estimate['lowering']} lowering, the fused compile; "
           f"passes {', '.join(estimate['passes'])}):")
     print(f"    gradients that become p.grad: {estimate['gradient_bytes'] / _MB:.1f} MB "
           f"(largest {estimate['largest_gradient_bytes'] / _MB:.1f} MB)")

@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 
 import optpass
 from optpass.capture import GraphKind
-from optpass.models import MLP
+from optpass.demo.models import MLP
 
 logging.getLogger("torch._dynamo.variables.ctx_manager").setLevel(logging.ERROR)
 print("torch", torch.__version__, "| optpass", optpass.__version__)

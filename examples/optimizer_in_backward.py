@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 
 # torch prints a harmless "Profiler record function ... will be ignored" warning
 # whenever it compiles a torch.optim step; hide it to keep the outputs readable.

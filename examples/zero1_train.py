@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import optpass
 import optpass.zero1
-from optpass.models import MLP
+from optpass.demo.models import MLP
 
 SIZES = (16, 64, 64, 64, 4)
 STEPS = 20

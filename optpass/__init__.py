@@ -17,21 +17,22 @@ from optpass.step import StepGraph
 
 __version__ = "0.1.0"
 
-_LAZY = {"graph_diff": "optpass.diff", "graph_text": "optpass.diff",
-         "estimate_peak_memory": "optpass.memory", "MemoryEstimate": "optpass.memory",
-         "measure_tensor_peak": "optpass.memory", "MeasuredPeak": "optpass.memory",
-         "save_sharded_checkpoint": "optpass.checkpoint", "load_sharded_checkpoint": "optpass.checkpoint",
-         "optimizer_state_dict": "optpass.checkpoint", "pad_batch": "optpass.dp", "bucket_size": "optpass.dp",
-         "master_weights": "optpass.mixed_precision", "skipped_steps": "optpass.grad_scaler"}
+_LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.diff",
+         "estimate_peak_memory": "optpass.analysis.memory", "MemoryEstimate": "optpass.analysis.memory",
+         "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory",
+         "save_sharded_checkpoint": "optpass.zero1.checkpoint", "load_sharded_checkpoint": "optpass.zero1.checkpoint",
+         "optimizer_state_dict": "optpass.zero1.checkpoint",
+         "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
+         "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}
 
 
 def __getattr__(name):
-    # The analysis tools load on first use: the backend itself does not need them.
+    # Names of the tools, checkpoints and DP-SGD helpers: their modules load on first use.
     import importlib
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("zero1", "checkpoint"):           # submodules, loaded on first use
+    if name == "zero1":                           # a submodule, loaded on first use
         return importlib.import_module(f"optpass.{name}")
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [

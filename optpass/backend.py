@@ -18,16 +18,18 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.fused_update import (MasterWeightsStep, OptimizerInBackwardStep, ScaledMicroStep, ShardedStep,
-                                  refuse_update_during_accumulation, shard_the_optimizer)
-from optpass.passes.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
-                                     check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
-from optpass.mixed_precision import master_state, refuse_without_low_precision
-from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
+from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
+                              check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.options import Options
-from optpass.rank_agreement import RanksDisagree, announce_refusal, announce_undistributed
-from optpass.zero1 import sharded_state
+from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
+from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.report import GraphReport, record
+from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulation
+from optpass.runtime.master_weights_step import MasterWeightsStep
+from optpass.runtime.scaled_micro_step import ScaledMicroStep
+from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
+from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed
+from optpass.zero1.state import sharded_state
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
 # module before Dynamo traces anything, so backward() is captured from the first call.
@@ -66,9 +68,9 @@ def _compile(gm, example_inputs, options, mode):
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
     if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
-        return _lower(gm, example_inputs, {}, captured=captured, options=options)
+        return lowering.lower(gm, example_inputs, {}, captured=captured, options=options)
     runtime.check(gm, captured, options)
-    lower = functools.partial(_lower, captured=captured, options=options)
+    lower = functools.partial(lowering.lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
         plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
         return runtime.step(gm, captured, options, plain, lower)
@@ -190,7 +192,7 @@ STEP_RUNTIMES = (
     # torch.optim's own update fused into backward; a grad_scaler's step fuses it too (after
     # backward without optimizer_in_backward): a skipped step must skip it in the same graph
     StepRuntime("optimizer_in_backward", lambda o: o.optimizer_in_backward or o.grad_scaler is not None,
-                _check_fused_update, OptimizerInBackwardStep),
+                _check_fused_update, FusedStep),
 )
 
 
@@ -199,21 +201,6 @@ def _scaled_micro_step(captured, options) -> bool:
     the update after backward (the step that follows unscales, checks and applies the sum)."""
     return (options.grad_scaler is not None and not options.optimizer_in_backward
             and captured.kind is GraphKind.STEP and not ends_at_optimizer_step(captured))
-
-
-def _lower(gm, example_inputs, context, *, captured, options):
-    """Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph."""
-    report = record(GraphReport(captured, options.lower))
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
-                                context=context)
-    if options.lower == "eager":
-        return lowering.lower_eager(gm, example_inputs, rewrite)
-    # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
-    key = repr((options.digest(), captured.roles_digest(),
-                sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
-    # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
-    patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
-    return lowering.lower_inductor(gm, example_inputs, rewrite, key, patches)
 
 
 def explaining_backend(gm, example_inputs, options=None):
@@ -262,26 +249,22 @@ def explaining_backend(gm, example_inputs, options=None):
             verdict, scaler_legal = f"grad_scaler refused: {error}", False
         report.legality = f"{report.legality}\n{verdict}" if report.legality else verdict
     in_backward_legal = "optimizer_in_backward is legal" in (report.legality or "")
-    if options.master_weights is not None and options.data_parallel is None:
-        fused_class = MasterWeightsStep
-        fuse = masters_legal and scaler_legal and (in_backward_legal if options.optimizer_in_backward
-                                                   else ends_at_optimizer_step(captured))
-    else:
-        fused_class = OptimizerInBackwardStep
-        fuse = options.data_parallel is None and scaler_legal and (
-            in_backward_legal if options.optimizer_in_backward
-            else options.grad_scaler is not None and ends_at_optimizer_step(captured))
+    # The runtime the real step would run (STEP_RUNTIMES), where the legality above holds; zero1's
+    # shards are not made for an explanation.
+    runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    fuse = (runtime is not None and runtime.step is not ShardedStep and scaler_legal
+            and (masters_legal or runtime.step is not MasterWeightsStep)
+            and (in_backward_legal if options.optimizer_in_backward else ends_at_optimizer_step(captured)))
     if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
-        compile_fn = functools.partial(_lower_dry, captured=captured, options=options, report=report)
-        runtime = fused_class(gm, captured, options, None, compile_fn)
-        fused, _ = runtime._compile_fused(list(example_inputs))
-        return lambda *args: runtime._without_fused_gradients(list(fused.run(*args, *fused.extras())))
+        compile_fn = functools.partial(lowering.lower_for_explain, captured=captured, options=options,
+                                       report=report)
+        return runtime.step(gm, captured, options, None, compile_fn).compile_for_explain(example_inputs)
     sharded = (options.data_parallel == "zero1" and captured.kind is GraphKind.STEP and "zero1' is legal"
                in (report.legality or "") and (options.optimizer_in_backward or ends_at_optimizer_step(captured)))
     context = {SHARD_EXPLAINED: True} if sharded else {}
-    return _leaving_gradients_alone(gm, captured, _lower_dry(gm, example_inputs, context, captured=captured,
-                                                             options=options, report=report))
+    dry = lowering.lower_for_explain(gm, example_inputs, context, captured=captured, options=options, report=report)
+    return _leaving_gradients_alone(gm, captured, dry)
 
 
 def _leaving_gradients_alone(gm, captured, run):
@@ -300,9 +283,3 @@ def _leaving_gradients_alone(gm, captured, run):
             outputs[i] = None if arg is None else args[arg]
         return tuple(outputs)
     return run_leaving_gradients
-
-
-def _lower_dry(gm, example_inputs, context, *, captured, options, report):
-    rewrite = functools.partial(lowering.rewrite, captured=captured, options=options, report=report,
-                                context=context)
-    return lowering.lower_dry(gm, example_inputs, rewrite)

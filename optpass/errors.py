@@ -21,7 +21,7 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OPTPASS_DIR = os.path.dirname(__file__)
 # optpass's own runnable examples are user code: their lines are what a reader should see.
-_OPTPASS_USER_FILES = {os.path.join(_OPTPASS_DIR, "demo.py")}
+_OPTPASS_USER_FILES = {os.path.join(_OPTPASS_DIR, "demo", "__main__.py")}
 
 
 class OptpassError(ShortenTraceback):

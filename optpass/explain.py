@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from optpass.backend import explaining_backend
 from optpass.capture import GraphKind, backward_outside_message
 from optpass.options import Options
 from optpass.report import GraphReport, clear_reports, keep_graphs, recent_reports
@@ -69,8 +70,6 @@ class Explanation:
 
 def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs: Any) -> Explanation:
     """Capture ``step_fn(*args, **kwargs)`` with optpass and report, without running its math."""
-    from optpass.backend import explaining_backend
-
     Options.from_user(dict(options) if options else None)  # a bad option fails here, not mid-trace
     untouched = Untouched()
     torch._dynamo.reset()

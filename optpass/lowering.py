@@ -29,9 +29,10 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from optpass import passes
+from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph
 from optpass.errors import OptpassError, user_line
-from optpass.report import GraphReport, keeping_graphs
+from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import StepGraph
 
 
@@ -49,8 +50,6 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
         return "gradient" if node.name in gradient_names else None
 
     if keep:
-        from optpass.memory import estimate_peak_memory
-
         report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)
         report.largest_gradient_bytes = max((_nbytes(g) for g in step.gradient_nodes.values()), default=0)
         report.graph_before = _snapshot(graph)
@@ -64,6 +63,28 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     if keep:
         report.graph_after = _snapshot(graph)
         report.memory_after = estimate_peak_memory(graph, tag=tag)
+
+
+def lower(gm, example_inputs, context, *, captured, options):
+    """Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph."""
+    report = record(GraphReport(captured, options.lower))
+    rewrite_fn = functools.partial(rewrite, captured=captured, options=options, report=report,
+                                   context=context)
+    if options.lower == "eager":
+        return lower_eager(gm, example_inputs, rewrite_fn)
+    # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
+    key = repr((options.digest(), captured.roles_digest(),
+                sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
+    # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
+    patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
+    return lower_inductor(gm, example_inputs, rewrite_fn, key, patches)
+
+
+def lower_for_explain(gm, example_inputs, context, *, captured, options, report):
+    """optpass.explain's lowering: the pipeline runs on the aten graph, nothing runs (``lower_dry``)."""
+    rewrite_fn = functools.partial(rewrite, captured=captured, options=options, report=report,
+                                   context=context)
+    return lower_dry(gm, example_inputs, rewrite_fn)
 
 
 def _spell_out_alpha(step: StepGraph) -> None:

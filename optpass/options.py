@@ -2,18 +2,33 @@
 
 Every key is declared once in ``OPTIONS`` with its type, default and a one-line
 description; that table is the single source for validation, for the error a
-typo gets, and for the README's options table (``options_table()``).
+typo gets, for the defaults of ``Options`` and for the README's options table
+(``options_table()``).
+
+This module is a leaf of the package (it imports nothing of optpass but its errors): what it
+validates against is declared here, the pass names (``PASS_NAMES``, the pipeline's, in order;
+a test keeps them equal to ``optpass.passes.PASSES``) and the collective plans of data_parallel
+(``COLLECTIVE_PLANS``, which ``optpass.passes.shard_optimizer`` fills).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from typing import Any
+
+import torch
 
 from optpass.errors import OptpassError
 
 LOWERINGS = ("inductor", "eager")
+# The passes of the pipeline, in its order (optpass.passes.PASSES; a test keeps the two equal).
+PASS_NAMES = ("loss_scaling", "clip_grad_norm_in_backward", "optimizer_in_backward", "master_weights",
+              "shard_optimizer", "per_sample_grad_norm", "eliminate_dead_code")
+# The collective plans of data_parallel by name: optpass.passes.shard_optimizer registers its own
+# when optpass loads (its PLANS is this dict); option 'collectives' is 'auto' or one of them.
+COLLECTIVE_PLANS: dict[str, type] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,25 +41,15 @@ class Option:
 
 
 def _optimizer_type() -> type:
-    import torch
-
     return torch.optim.Optimizer
 
 
 def _dtype_type() -> type:
-    import torch
-
     return torch.dtype
 
 
 def _grad_scaler_type() -> type:
-    import torch
-
     return torch.amp.GradScaler
-
-
-# Issue 13, part 1: what master_weights supports so far (the error for the rest names the issue).
-MASTER_WEIGHTS_ISSUE = "issue 13 (mixed precision)"
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -110,26 +115,32 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
+def _default(name: str) -> Any:
+    return _BY_NAME[name].default
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    lower: str = "inductor"
-    passes: tuple[str, ...] | None = None
-    disable_passes: tuple[str, ...] = ()
-    warn_on_graph_break: bool = True
-    optimizer: Any = None
-    optimizer_in_backward: bool = False
-    master_weights: Any = None
-    grad_scaler: Any = None
-    accumulation_steps: int = 1
-    clip_grad_norm: float | None = None
-    data_parallel: str | None = None
-    process_group: Any = None
-    partition: str = "even"
-    bucket_bytes: int | None = None
-    collectives: str = "auto"
-    dp_materialize: str = "auto"
-    pipeline_parallel_degree: int = 1
-    expert_parallel_degree: int = 1
+    """The validated options (``from_user``); every default is ``OPTIONS``'."""
+
+    lower: str = _default("lower")
+    passes: tuple[str, ...] | None = _default("passes")
+    disable_passes: tuple[str, ...] = _default("disable_passes")
+    warn_on_graph_break: bool = _default("warn_on_graph_break")
+    optimizer: Any = _default("optimizer")
+    optimizer_in_backward: bool = _default("optimizer_in_backward")
+    master_weights: Any = _default("master_weights")
+    grad_scaler: Any = _default("grad_scaler")
+    accumulation_steps: int = _default("accumulation_steps")
+    clip_grad_norm: float | None = _default("clip_grad_norm")
+    data_parallel: str | None = _default("data_parallel")
+    process_group: Any = _default("process_group")
+    partition: str = _default("partition")
+    bucket_bytes: int | None = _default("bucket_bytes")
+    collectives: str = _default("collectives")
+    dp_materialize: str = _default("dp_materialize")
+    pipeline_parallel_degree: int = _default("pipeline_parallel_degree")
+    expert_parallel_degree: int = _default("expert_parallel_degree")
 
     @staticmethod
     def from_user(user: dict[str, Any] | None) -> "Options":
@@ -233,12 +244,11 @@ def _check_combinations(options: Options) -> None:
                 "undoes the in-backward placement. Use one of the two with clip_grad_norm.")
         if options.bucket_bytes is not None and options.bucket_bytes < 1:
             raise OptpassError(f"bucket_bytes must be >= 1, got {options.bucket_bytes}")
-        from optpass.passes.shard_optimizer import PLANS
-
-        if options.collectives not in ("auto", *PLANS):
+        if options.collectives not in ("auto", *COLLECTIVE_PLANS):
+            known = ("auto", *COLLECTIVE_PLANS)
             raise OptpassError(f"optpass option 'collectives' must be one of "
-                               f"{', '.join(map(repr, ('auto', *PLANS)))}, got {options.collectives!r}"
-                               f"{did_you_mean(options.collectives, ('auto', *PLANS))}")
+                               f"{', '.join(map(repr, known))}, got {options.collectives!r}"
+                               f"{did_you_mean(options.collectives, known)}")
         _require_pass(options, "shard_optimizer", "data_parallel='zero1'")
     if options.master_weights is not None:
         _check_master_weights(options)
@@ -254,8 +264,6 @@ def _check_combinations(options: Options) -> None:
 def _refuse_scaler_disabled_by_torch(scaler) -> None:
     """GradScaler("cuda") on a machine without CUDA disables itself (torch warns once): taking it as
     'no scaling' would train fp16 unscaled and unchecked, which the user did not ask for."""
-    import torch
-
     if getattr(scaler, "_device", None) == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
         raise OptpassError(
             "grad_scaler is a torch.amp.GradScaler('cuda') on a machine without CUDA, which torch disabled "
@@ -267,15 +275,11 @@ def _refuse_scaler_disabled_by_torch(scaler) -> None:
 
 def _step_needs_a_closure(optimizer) -> bool:
     """torch.optim.LBFGS and other optimizers whose step(closure) has no default."""
-    import inspect
-
     closure = inspect.signature(type(optimizer).step).parameters.get("closure") if optimizer is not None else None
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_master_weights(options: Options) -> None:
-    import torch
-
     if options.master_weights is not torch.float32:
         raise OptpassError(
             f"master_weights must be torch.float32 (the dtype of the master copies), got "
@@ -319,9 +323,7 @@ def _check_grad_scaler(options: Options) -> None:
 
 
 def _check_pass_names(options: Options) -> None:
-    from optpass.passes import PASSES
-
-    known = [p.name for p in PASSES]
+    known = list(PASS_NAMES)
     for name in (options.passes or ()) + tuple(options.disable_passes):
         if name not in known:
             raise OptpassError(f"unknown optpass pass {name!r}{did_you_mean(name, known)} The passes are: "

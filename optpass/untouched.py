@@ -13,7 +13,7 @@ nothing can stop from outside Dynamo:
   ``capturable`` in the param groups of an optimizer without state.
 
 optpass's own compile of a fused step adds to that: the harvest of torch.optim's
-update (``harvest.py``) runs ``_init_group`` too, ``master_weights`` makes the
+update (``optim/harvest.py``) runs ``_init_group`` too, ``master_weights`` makes the
 fp32 masters and their optimizer (hooks on the user's optimizer, its state moved
 into the masters'), a ``grad_scaler``'s scale is created lazily.
 
@@ -42,6 +42,9 @@ from typing import Any
 import torch
 
 from optpass.errors import OptpassError
+from optpass.precision import grad_scaler, masters
+from optpass.runtime import fused_step
+from optpass.zero1 import state as zero1_state
 
 # How deep containers are followed from an object's attributes: optimizer.__dict__ -> param_groups
 # -> a group -> its params list; optimizer.__dict__ -> state -> a parameter's state dict -> tensors.
@@ -50,10 +53,8 @@ _DEPTH = 4
 
 def _registries() -> list:
     """optpass's per-object records (weak dictionaries keyed by the user's optimizer or scaler)."""
-    from optpass import fused_update, grad_scaler, mixed_precision, zero1
-
-    return [mixed_precision._STORES, zero1._SHARDED, fused_update._SESSIONS, grad_scaler._SKIPS,
-            grad_scaler._MICRO_STEPS]
+    return [masters._STORES, masters._SHARDED_MASTERS, zero1_state._SHARDED, fused_step._SESSIONS,
+            grad_scaler._SKIPS, grad_scaler._MICRO_STEPS]
 
 
 def _live_objects() -> tuple[list, list]:

@@ -38,7 +38,7 @@ def mlp_loss(model, x, y):
 
 
 def mlp_data(step, dtype=None):
-    """Batch `step` of an MLP regression stream (optpass.models.MLP's default sizes)."""
+    """Batch `step` of an MLP regression stream (optpass.demo.models.MLP's default sizes)."""
     g = torch.Generator().manual_seed(step)
     return torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 4, generator=g, dtype=dtype)
 

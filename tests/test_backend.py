@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import optpass
 from optpass.capture import GraphKind, module_path
-from optpass.models import MLP, TinyLM
+from optpass.demo.models import MLP, TinyLM
 
 
 def run_python(code: str, env: dict | None = None, timeout: int = 600) -> str:

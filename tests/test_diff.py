@@ -1,4 +1,4 @@
-"""Tests for optpass.diff: stable graph text and small diffs."""
+"""Tests for optpass.analysis.diff: stable graph text and small diffs."""
 
 import operator
 
@@ -7,7 +7,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optpass.diff import graph_diff, graph_text
+from optpass.analysis.diff import graph_diff, graph_text
 
 aten = torch.ops.aten
 

@@ -10,7 +10,7 @@ import torch
 
 import optpass
 from optpass.capture import GraphKind
-from optpass.models import LMConfig, TinyLM
+from optpass.demo.models import LMConfig, TinyLM
 from parity import Twin, make_step, unique_graphs
 
 pytestmark = pytest.mark.usefixtures("float64_default")

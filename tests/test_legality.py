@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 
 THIS_FILE = os.path.basename(__file__)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 from parity import make_micro_step, make_step, mlp_data, mlp_loss
 from test_master_weights import OPTIMIZERS, SIZES, MegatronReference, master_diff, param_ulps
 
@@ -72,7 +72,7 @@ def scaler_state(scaler):
 
 def snapshot(model, opt):
     """Parameters, masters and every optimizer state tensor (Adam's step counter included)."""
-    store = optpass.mixed_precision.master_state(opt, torch.float32)
+    store = optpass.precision.masters.master_state(opt, torch.float32)
     return ([p.detach().clone() for p in model.parameters()],
             [m.clone() for m in optpass.master_weights(opt).values()],
             [t.clone() for s in store.master_optimizer.state.values() for t in s.values()])
@@ -125,7 +125,7 @@ def test_fp16_masters_match_the_megatron_way_with_a_grad_scaler(name):
         assert master_diff(opt, eager_ref) <= 1e-5, i
     for placement, (model, opt, scaler, _) in runs.items():
         assert param_ulps(model, compiled_ref) == 0 and master_diff(opt, compiled_ref) == 0, placement
-        assert optpass.grad_scaler.skipped_steps(scaler) == sum(b < a for a, b in zip(scales, scales[1:]))
+        assert optpass.skipped_steps(scaler) == sum(b < a for a, b in zip(scales, scales[1:]))
     # the scale grew after growth_interval clean steps and backed off at the injected inf
     assert scales[INF_STEP + 1] == scales[INF_STEP] / 2 and any(b == 2 * a for a, b in zip(scales, scales[1:]))
 
@@ -165,7 +165,7 @@ def test_classic_amp_fp32_parameters_under_fp16_autocast(name):
             assert scaler_state(scaler) == scaler_state(ref_scaler), i
     for model, scaler, _ in runs:
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
-        assert optpass.grad_scaler.skipped_steps(scaler) >= 1
+        assert optpass.skipped_steps(scaler) >= 1
 
 
 def test_inductor_lowering_matches_the_megatron_way():
@@ -183,7 +183,7 @@ def test_inductor_lowering_matches_the_megatron_way():
         step(x, y)
         assert scaler_state(scaler) == scaler_state(reference.scaler), i
     assert param_ulps(model, reference) <= 1 and master_diff(opt, reference) <= 1e-5
-    assert optpass.grad_scaler.skipped_steps(scaler) == 1
+    assert optpass.skipped_steps(scaler) == 1
 
 
 def _train(model, opt, scaler, step, start, stop):
@@ -231,7 +231,7 @@ def test_sgd_first_step_skipped_creates_no_momentum():
     opt = OPTIMIZERS["sgd"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     step = compiled(model, opt, scaler)
-    store = optpass.mixed_precision.master_state(opt, torch.float32)
+    store = optpass.precision.masters.master_state(opt, torch.float32)
     for i in range(3):
         x, y = data(INF_STEP if i == 0 else i)
         reference.step(x, y)
@@ -367,7 +367,7 @@ def test_gradient_accumulation_matches_gradscaler(name, lower):
                 skipped_at = i
                 assert unchanged(before, snapshot(model, opt)), i
         assert scaler_state(scaler) == scaler_state(reference.scaler), i
-    assert skipped_at == INF_STEP + 1 and optpass.grad_scaler.skipped_steps(scaler) >= 1
+    assert skipped_at == INF_STEP + 1 and optpass.skipped_steps(scaler) >= 1
     if eager:
         assert param_ulps(model, reference) == 0 and master_diff(opt, reference) == 0
     else:                     # SGD is not scale-invariant: an unscaled micro-step would be 1e-2 off
@@ -381,7 +381,7 @@ def test_gradient_accumulation_with_batch_sizes_that_change():
     sizes; bitwise against the GradScaler-driven reference, the scale equal after every call."""
     from unittest import mock
 
-    from optpass.fused_update import ScaledMicroStep
+    from optpass.runtime.scaled_micro_step import ScaledMicroStep
 
     torch.manual_seed(0)
     start = MLP(SIZES).to(torch.float16)
@@ -443,7 +443,7 @@ def test_gradient_accumulation_with_fp32_parameters_under_fp16_autocast():
             assert same(step(x, y).item(), loss.item()), i
         assert scaler_state(scaler) == scaler_state(ref_scaler), i
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
-    assert optpass.grad_scaler.skipped_steps(scaler) >= 1
+    assert optpass.skipped_steps(scaler) >= 1
 
 
 # ------------------------------------------------------------------ refusals

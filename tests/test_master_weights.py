@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
-from optpass.models import MLP
+from optpass.demo.models import MLP
 from parity import make_step, mlp_data, mlp_loss, unique_graphs
 
 STEPS = 20
@@ -79,7 +79,7 @@ class MegatronReference:
     def start_from(self, model: nn.Module, opt) -> None:
         """Take the parameters, masters and optimizer state of an optpass run (one step at a time)."""
         masters = optpass.master_weights(opt)
-        state = optpass.mixed_precision.master_state(opt, torch.float32).master_optimizer.state
+        state = optpass.precision.masters.master_state(opt, torch.float32).master_optimizer.state
         for mine, theirs, master in zip(self.model.parameters(), model.parameters(), self.masters):
             mine.copy_(theirs)
             if master is not mine:
@@ -154,7 +154,7 @@ def test_matches_the_megatron_way_eager_step(dtype, name):
         opt = opts[placement]
         assert param_ulps(model, compiled_ref) == 0 and master_diff(opt, compiled_ref) == 0, placement
         # the state is torch.optim's own, created in fp32 for the masters; the user's optimizer has none
-        store = optpass.mixed_precision.master_state(opt, torch.float32)
+        store = optpass.precision.masters.master_state(opt, torch.float32)
         assert {t.dtype for s in store.master_optimizer.state.values() for t in s.values()} == {torch.float32}
         assert not opt.state
     # fused from the first step; SGD compiles again once its momentum buffers exist
@@ -196,7 +196,7 @@ def test_every_torch_optim_optimizer_updates_bf16_masters_in_backward(name):
         assert param_ulps(model, reference) <= 1 and master_diff(opt, reference) <= 1e-5, i
     assert applied_reports(), "the first step was not fused"
     assert not opt.state       # the state is the masters', in fp32
-    store = optpass.mixed_precision.master_state(opt, torch.float32)
+    store = optpass.precision.masters.master_state(opt, torch.float32)
     assert {t.dtype for s in store.master_optimizer.state.values() for t in s.values()
             if t.is_floating_point()} <= {torch.float32}
 

@@ -1,4 +1,4 @@
-"""Tests for optpass.memory: exact byte counts on graphs small enough to check by hand.
+"""Tests for optpass.analysis.memory: exact byte counts on graphs small enough to check by hand.
 
 All tensors are float32 (4 bytes an element). Sizes used below:
 x[16, 8] = 512 B, w[8, 32] = 1024 B, x @ w: [16, 32] = 2048 B, a scalar = 4 B,
@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optpass.memory import MemoryEstimate, estimate_peak_memory
+from optpass.analysis.memory import MemoryEstimate, estimate_peak_memory
 
 aten = torch.ops.aten
 

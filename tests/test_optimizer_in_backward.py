@@ -7,7 +7,7 @@ import torch
 
 import optpass
 from optpass.capture import GraphKind
-from optpass.models import MLP, LMConfig, TinyLM, param_groups_no_decay
+from optpass.demo.models import MLP, LMConfig, TinyLM, param_groups_no_decay
 from parity import (Twin, make_step, max_rel_diff, mlp_data, mlp_loss, optimizer_state_diff, param_diff,
                     unique_graphs)
 
@@ -168,7 +168,7 @@ def test_inductor_lowering_compiles_each_state_layout_apart():
 
 def test_adafactor_python_scalar_update_is_fused_and_matches_eager():
     """Adafactor's step reads step.item() and param.norm().item() and takes min/max of them: it
-    is harvested as float64 0-d tensor math (harvest_scalars.py), lr still an input."""
+    is harvested as float64 0-d tensor math (optpass/optim/scalars.py), lr still an input."""
     make = lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2, weight_decay=1e-2)  # noqa: E731
     twin = Twin(MLP, make)
     schedulers = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (twin.eager_opt, twin.compiled_opt)]

@@ -5,7 +5,7 @@ import torch
 
 import optpass
 
-from optpass.models import MLP, LMConfig, TinyLM, param_groups_no_decay
+from optpass.demo.models import MLP, LMConfig, TinyLM, param_groups_no_decay
 from parity import Twin, make_step, mlp_data, mlp_loss, unique_graphs
 
 STEPS = 20

@@ -458,7 +458,7 @@ class TestPerSampleGradNormGraph(TestCase):
 def test_small_transformer_lm_per_sample_norms_match(tied):
     """Attention, LayerNorm, a position table, an embedding and output head (tied or not): Linear and
     untied Embedding weights rewritten, the tied embedding/head as one sum over both uses' tokens, all exact."""
-    from optpass.models import LMConfig, TinyLM
+    from optpass.demo.models import LMConfig, TinyLM
 
     cfg = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8)
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
-from optpass.mixed_precision import STATE_DICT_KEY, master_state
+from optpass.precision.masters import STATE_DICT_KEY, master_state
 from parity import make_step, mlp_data
 from test_master_weights import ulps
 

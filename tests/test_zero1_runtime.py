@@ -269,7 +269,7 @@ def test_an_optimizer_whose_update_is_not_elementwise_is_refused(name, ops, part
     """Each rank updates its flat piece of a bucket with an optimizer of the user's class: for an
     update that reads a whole parameter this computed something else, silently (Adafactor, 2 ranks, 5
     steps: 2.3% off single-process training, either partition). Now the check of the update's graph
-    (optpass/elementwise.py) refuses it on every rank before any collective."""
+    (optpass/optim/elementwise.py) refuses it on every rank before any collective."""
     import torch
 
     dist = _one_rank_group()
@@ -297,7 +297,7 @@ def test_every_elementwise_torch_optim_optimizer_passes_the_check():
     their update mixes a parameter's elements, in fp32 and on bf16 parameters with fp32 masters."""
     import torch
 
-    from optpass.elementwise import non_elementwise_ops
+    from optpass.optim.elementwise import non_elementwise_ops
     from test_optimizer_in_backward import OPTIMIZERS, TRAPS, Lion
 
     for name, make in {**OPTIMIZERS, **TRAPS, "lion (user-defined)": Lion}.items():
@@ -345,7 +345,7 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
     bucket holds half as many bf16 elements; fp32 parameters count 4 bytes either way."""
     import torch
 
-    from optpass.zero1 import DEFAULT_BUCKET_BYTES, build_layout
+    from optpass.zero1.layout import DEFAULT_BUCKET_BYTES, build_layout
 
     bf16 = [(0, torch.empty(1024, 1024, dtype=torch.bfloat16)) for _ in range(32)]   # 2 MiB bf16, 4 MiB fp32
     sizes = lambda layout: [len(b.params) for b in layout.buckets]                 # noqa: E731
@@ -358,13 +358,13 @@ def test_with_master_weights_a_bucket_holds_bucket_bytes_of_fp32_reduce_buffer()
 
 
 def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
-    """zero1.gradient_order: a module that registers its norm weight last but uses it first (a
+    """zero1.layout.gradient_order: a module that registers its norm weight last but uses it first (a
     transformer layer) has its norm's gradient final last: the order is the reverse of first use,
     ties (a weight and its bias, used by one node) in reverse parameter order, and a parameter the
     graph does not use last."""
     import torch.fx
 
-    from optpass.zero1 import gradient_order
+    from optpass.zero1.layout import gradient_order
 
     graph = torch.fx.Graph()
     weight, bias, norm, unused = (graph.placeholder(n) for n in ("weight", "bias", "norm", "unused"))
@@ -380,17 +380,17 @@ def test_buckets_follow_the_reverse_of_first_use_in_the_forward():
     ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
 ])
 def test_the_backend_is_the_process_groups_for_the_parameters_device(backends, device, backend):
-    import optpass.zero1
+    import optpass.zero1.state
 
-    assert optpass.zero1.backend_for_device(backends, device) == backend
+    assert optpass.zero1.state.backend_for_device(backends, device) == backend
 
 
 def test_a_process_group_without_a_backend_for_the_parameters_device_is_an_error():
     import optpass
-    import optpass.zero1
+    import optpass.zero1.state
 
     with pytest.raises(optpass.OptpassError, match="no backend for cuda tensors"):
-        optpass.zero1.backend_for_device("cpu:gloo", "cuda")
+        optpass.zero1.state.backend_for_device("cpu:gloo", "cuda")
 
 
 def test_zero1_without_torch_distributed_is_a_clear_error():

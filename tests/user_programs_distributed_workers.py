@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import optpass
-import optpass.rank_agreement
+import optpass.zero1.agreement
 
 STEPS = 6
 PER_RANK = 4
@@ -238,7 +238,7 @@ def grad_scaler_on_rank_zero_only(rank, world):
 
 
 def data_parallel_on_rank_zero_only(rank, world):
-    optpass.rank_agreement.UNDISTRIBUTED_GRACE_S = 3.0      # not a minute: the test waits for it
+    optpass.zero1.agreement.UNDISTRIBUTED_GRACE_S = 3.0      # not a minute: the test waits for it
     model, opt = _mlp_and_opt()
     options = {"optimizer": opt, **({"data_parallel": "zero1"} if rank == 0 else {})}
     step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass", options=options)

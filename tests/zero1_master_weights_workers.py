@@ -24,7 +24,7 @@ import torch.nn as nn
 import optpass
 import optpass.zero1
 import zero1_workers as workers
-from optpass.mixed_precision import LOW_PRECISION
+from optpass.precision.masters import LOW_PRECISION
 from optpass.passes.shard_optimizer import collectives_in
 from test_master_weights import MegatronReference, ulps
 
@@ -251,7 +251,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
         "largest_chunk": max(b.chunk for b in sharded.layout.buckets),
         "dtypes": sorted({str(t.dtype) for t in list(sharded.shards.values()) + state}),
         "user_optimizer_state": len(opt.state),
-        "single_process_masters": opt in optpass.mixed_precision._STORES,
+        "single_process_masters": opt in optpass.precision.masters._STORES,
         "master_weights_error": master_weights_error, "eager_step_error": eager_step_error,
         "collectives": collectives_in(steps[-1].graph_after),
         # a half-precision bucket's gradients are sent as they are (all-to-all) and summed in fp32 by their
@@ -299,7 +299,7 @@ def reduce_buffers_in_backward(rank: int, world: int, layers_per_bucket: int = 1
     optimizer_in_backward, lowered by Inductor: how many reduce buffers (the bf16 buckets the
     all-to-alls send) its generated schedule keeps alive at once (each bucket's update frees its buffer before the next bucket's is
     allocated: one)."""
-    from optpass.models import MLP
+    from optpass.demo.models import MLP
     torch._dynamo.reset()
     torch.manual_seed(0)
     width = 32
@@ -560,7 +560,7 @@ def _scaled_parity_case(rank: int, world: int, case: dict) -> dict:
         "master": master_rel_diff(gather(opt, model), compiled_ref),
         "eager_ulps": eager_ulps, "eager_master": eager_master,
         "scales_equal": scales_equal, "inf_step_unchanged": inf_step_unchanged,
-        "skipped": optpass.grad_scaler.skipped_steps(scaler), "reference_scale": compiled_ref.scaler.get_scale(),
+        "skipped": optpass.skipped_steps(scaler), "reference_scale": compiled_ref.scaler.get_scale(),
         "collectives": collectives_in(steps[-1].graph_after),
         "every_step_sharded": all(any(p.name == "shard_optimizer" and p.status == "applied" for p in r.passes)
                                   for r in steps),
@@ -659,5 +659,5 @@ def accumulation_parity(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 scales_equal &= scaler.get_scale() == reference.scaler.get_scale()
         results.append({**case, "ulps": ulps_worst, "master": master_worst, "scales_equal": scales_equal,
                         "grads_kept": grads_kept,
-                        "skipped": optpass.grad_scaler.skipped_steps(scaler) if scaled else None})
+                        "skipped": optpass.skipped_steps(scaler) if scaled else None})
     return results

@@ -1,7 +1,8 @@
 """The optpass pass pipeline: named, ordered, selectable, disable-able.
 
 Each pass lives in its own file and states its precondition, rewrite, effect
-and what it refuses in the module docstring. The pipeline, in order:
+and what it refuses in the module docstring; no pass imports another (what they
+share is in ``_graph_utils.py``). The pipeline, in order:
 
 | pass                  | file                     | on by default | changes numerics |
 |-----------------------|--------------------------|---------------|------------------|
@@ -13,7 +14,7 @@ and what it refuses in the module docstring. The pipeline, in order:
 | per_sample_grad_norm  | per_sample_grad_norm.py  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
-``legality.py`` is not in the list: it proves a requested rewrite legal on the
+Legality (``optpass/legality.py``) is not a pass: it proves a requested rewrite legal on the
 Dynamo-level step graph (where raw gradients and user source lines are exact)
 before any aten graph exists, and refuses with an error.
 

@@ -38,19 +38,15 @@ extra backward (measured in bench/optimizer_in_backward.py).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import torch
 import torch.fx
 
-from optpass.passes.optimizer_in_backward import CONTEXT_KEY, gradient_value
-from optpass.step import BACKWARD, GRADIENT_TRANSFORM
+from optpass.passes._graph_utils import (MASTER_UPDATE, OPTIMIZER_UPDATE, clip_coefficient, first_backward,
+                                         gradient_value, in_graph_order, reduce_after, replacing_gradient,
+                                         squared_norm, sum_all)
 
 aten = torch.ops.aten
 convert_element_type = torch.ops.prims.convert_element_type.default
-
-FIRST_BACKWARD = "first_backward"
 
 
 def run(step, options) -> str | None:
@@ -67,9 +63,7 @@ def run(step, options) -> str | None:
 
 def fused_update_plan(step):
     """The update plan of this compile: optimizer_in_backward's or master_weights' (None: no fused update)."""
-    from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY
-
-    return step.context.get(CONTEXT_KEY) or step.context.get(MASTER_KEY)
+    return step.context.get(OPTIMIZER_UPDATE) or step.context.get(MASTER_UPDATE)
 
 
 def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: bool = True,
@@ -107,90 +101,3 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
             step.gradient_nodes[name] = clipped
     step.annotate_regions()
 
-
-@contextlib.contextmanager
-def replacing_gradient(step, name: str, value: torch.fx.Node):
-    """``with replacing_gradient(step, name, value) as replace: replace(new)``: `new`, computed from
-    `value` inside the block, becomes what every earlier reader of `value` reads (Dynamo's copy into
-    ``.grad`` included), and the gradient the fused update of `name` reads."""
-    readers = set(value.users)
-
-    def replace(new: torch.fx.Node) -> None:
-        value.replace_all_uses_with(new, delete_user_cb=readers.__contains__)
-        if step.gradient_nodes[name] is value:
-            step.gradient_nodes[name] = new
-    yield replace
-
-
-@dataclasses.dataclass
-class FirstBackward:
-    """A copy of the backward that leads to the fused gradients, run before the real one."""
-
-    copies: dict[torch.fx.Node, torch.fx.Node]    # original node -> its copy
-    end: torch.fx.Node                            # the real backward's first node (the copy precedes it)
-
-
-def first_backward(step, targets: list[torch.fx.Node]) -> FirstBackward:
-    """The first backward that computes `targets` (made once per compile, shared by the passes that
-    need every gradient before any update: loss scaling's inf/nan check, global-norm clipping).
-    Callers reduce each copied target right after it (``reduce_after``), so it dies there."""
-    made = step.context.get(FIRST_BACKWARD)
-    if made is not None and all(t in made.copies for t in targets):
-        return made
-    graph = step.graph
-    to_copy = _backward_cone(step, targets)
-    end = next(n for n in graph.nodes if n in to_copy)
-    # The copy reads forward values that the graph may define after `end` (see define_inputs_before).
-    step.define_inputs_before(to_copy, end, "the norm-only first backward that options 'clip_grad_norm' "
-                                            "and 'grad_scaler' run inside backward")
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    with graph.inserting_before(end):
-        for node in list(graph.nodes):
-            if node in to_copy:
-                env[node] = graph.node_copy(node, lambda n: env.get(n, n))
-    made = FirstBackward(env, end)
-    step.context[FIRST_BACKWARD] = made
-    return made
-
-
-def in_graph_order(graph: torch.fx.Graph, nodes) -> list[torch.fx.Node]:
-    """`nodes` in the order the graph computes them (the order their norms are summed in)."""
-    wanted = set(nodes)
-    return [n for n in graph.nodes if n in wanted]
-
-
-def reduce_after(step, value: torch.fx.Node, reduce) -> torch.fx.Node:
-    """`reduce(emit, value)` inserted right after `value`, so that `value` can die there."""
-    with step.graph.inserting_before(value.next):
-        return reduce(step.emit, value)
-
-
-def squared_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
-    """sum(value * value): a 0-d tensor."""
-    return emit(aten.sum.default, emit(aten.mul.Tensor, value, value))
-
-
-def sum_all(emit, values: list[torch.fx.Node]) -> torch.fx.Node:
-    """values[0] + values[1] + ...: adds, not stack (stack is decomposed before post-grad passes)."""
-    total = values[0]
-    for value in values[1:]:
-        total = emit(aten.add.Tensor, total, value)
-    return total
-
-
-def clip_coefficient(emit, norm: torch.fx.Node, max_norm: float) -> torch.fx.Node:
-    """torch.nn.utils.clip_grad_norm_'s coefficient: clamp(max_norm / (norm + 1e-6), max=1)."""
-    scale = emit(aten.mul.Tensor, emit(aten.reciprocal.default, emit(aten.add.Tensor, norm, 1e-6)), max_norm)
-    return emit(aten.clamp_max.default, scale, 1.0)
-
-
-def _backward_cone(step, gradients: list[torch.fx.Node]) -> set[torch.fx.Node]:
-    """Nodes after the forward that a fused gradient depends on."""
-    cone, stack = set(), list(gradients)
-    while stack:
-        node = stack.pop()
-        if node in cone or step.region_of(node) not in (BACKWARD, GRADIENT_TRANSFORM):
-            continue
-        cone.add(node)
-        stack.extend(node.all_input_nodes)
-    return cone

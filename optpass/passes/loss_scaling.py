@@ -4,10 +4,10 @@ Precondition: ``options={"optimizer": opt, "grad_scaler": scaler, ...}``; a step
 graph with backward inside it that hands its raw gradients to ``opt.step()``
 (legality: no gradient transform in the step, no GradScaler called in it); a
 fused update in this compile (the update runs in the step graph: after backward,
-or inside it with optimizer_in_backward; ``fused_update.py``), and the scaler's
+or inside it with optimizer_in_backward; ``runtime/fused_step.py``), and the scaler's
 tensors as extra inputs of the step graph: scale (fp32), growth tracker (int32),
 and optpass's "last step skipped" flag and skipped-step count
-(``grad_scaler.py``). The loss is already multiplied by the scale: ``scale_loss``
+(``precision/grad_scaler.py``). The loss is already multiplied by the scale: ``scale_loss``
 does that on the Dynamo graph, as ``scaler.scale(loss)`` computes it, because
 Inductor's post-grad graph has folded backward's seed (ones) into the loss's
 backward by the time this pass runs.
@@ -25,7 +25,7 @@ Rewrite, before the updates are spliced in (the pass runs first):
 After backward, the inf/nan check of each gradient runs right after it and the flags
 are combined at the end. Inside backward (optimizer_in_backward) the first update
 would run before the last gradient exists, so the check runs in a first, check-only
-copy of the backward (``clip_grad_norm_in_backward.first_backward``, shared with
+copy of the backward (``_graph_utils.first_backward``, shared with
 global-norm clipping), which reduces each gradient to a flag as soon as it exists.
 
 Effect: torch.amp.GradScaler's step, as ``scaler.scale(loss).backward();
@@ -46,11 +46,11 @@ The shard update's new value is guarded too (``shard_optimizer._emit_update``): 
 skipped step gathers the shards as they were.
 
 Gradient accumulation: a micro-step (no ``opt.step()``) compiled with the same options
-differentiates ``loss * scale`` too (``fused_update.ScaledMicroStep``, ``scale_loss``
+differentiates ``loss * scale`` too (``runtime/scaled_micro_step.py``, ``scale_loss``
 only, this pass has no plan there); the step that follows unscales and checks
 ``.grad + its gradients``, the gradient outputs of its graph.
 
-Refuses (``options.py``, ``legality.py``, ``grad_scaler.check_accumulated``):
+Refuses (``options.py``, ``optpass/legality.py``, ``grad_scaler.check_accumulated``):
 accumulation with optimizer_in_backward, a step adding to ``.grad`` that no scaled
 micro-step made, fp16 parameters without master_weights (GradScaler refuses to unscale
 fp16 gradients), a gradient transform or a GradScaler call in the step.
@@ -72,9 +72,8 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
-from optpass.passes.clip_grad_norm_in_backward import (first_backward, in_graph_order, reduce_after,
-                                                       replacing_gradient)
-from optpass.passes.optimizer_in_backward import gradient_value, placeholders_by_dynamo_index
+from optpass.passes._graph_utils import (first_backward, gradient_value, in_graph_order, placeholders_by_dynamo_index,
+                                         reduce_after, replacing_gradient)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = "loss_scaling"

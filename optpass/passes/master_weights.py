@@ -4,9 +4,9 @@ Precondition: ``options={"optimizer": opt, "master_weights": torch.float32}``; a
 step graph with backward inside it (legality: no GradScaler, no graph break
 between ``backward()`` and ``opt.step()``; with optimizer_in_backward also its
 own proof); the master optimizer's update harvested from torch.optim
-(``harvest.py``; ``mixed_precision.py`` holds the masters and that optimizer),
+(``optim/harvest.py``; ``precision/masters.py`` holds the masters and that optimizer),
 with each master, the master optimizer's state and each group's lr as extra
-inputs of the step graph (``fused_update.MasterWeightsStep`` adds them).
+inputs of the step graph (``runtime/master_weights_step.py`` adds them).
 
 Rewrite, for each parameter ``p`` the optimizer updates, with ``m`` its fp32 master:
 
@@ -35,7 +35,7 @@ A gradient that arrives in fp32 already (unscaled by loss_scaling, or cast for
 clip_grad_norm, which clips the fp32 gradients) is not cast again; every write
 goes through ``StepGraph.write_update`` (skipped on inf/nan with a grad_scaler).
 
-Refuses (``options.py``, ``legality.py``): a master dtype other than float32, no
+Refuses (``options.py``, ``optpass/legality.py``): a master dtype other than float32, no
 optimizer, clip_grad_norm or grad_scaler together with data_parallel (issue 13), a
 GradScaler called in the step (the ``grad_scaler`` option is the way), an optimizer
 over parameters none of which is bf16/fp16.
@@ -57,11 +57,11 @@ import dataclasses
 import torch
 import torch.fx
 
-from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
-                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.passes._graph_utils import (MASTER_UPDATE, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
-CONTEXT_KEY = "master_update"
+CONTEXT_KEY = MASTER_UPDATE
 
 convert_element_type = torch.ops.prims.convert_element_type.default
 

@@ -1,10 +1,10 @@
 """Pass optimizer_in_backward: each parameter's update runs as soon as its gradient is final.
 
-Precondition: a step graph whose legality was proved (``legality.py``: every
+Precondition: a step graph whose legality was proved (``optpass/legality.py``: every
 fused parameter's gradient depends on its own raw gradient only), the
-optimizer's update harvested from torch.optim itself (``harvest.py``), and the
+optimizer's update harvested from torch.optim itself (``optim/harvest.py``), and the
 optimizer's state tensors and per-group lr as extra inputs of the step graph
-(``fused_update.py`` adds them).
+(``runtime/fused_step.py`` adds them).
 
 Rewrite: for each fused parameter ``p``, the harvested slice that updates ``p``
 and its state is copied into the step graph, its placeholders bound to
@@ -38,12 +38,11 @@ pipeline/expert parallelism, a step whose backward ran outside the graph.
 
 from __future__ import annotations
 
-import torch
-import torch.fx
+from optpass.passes._graph_utils import (OPTIMIZER_UPDATE, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.step import REGION_KEY, UPDATE
 
-from optpass.step import REGION_KEY, UPDATE, is_view
-
-CONTEXT_KEY = "optimizer_update"
+CONTEXT_KEY = OPTIMIZER_UPDATE
 
 
 def run(step, options) -> str | None:
@@ -83,91 +82,3 @@ def splice_updates(step, plan) -> None:
             end = inserted[-1]
     step.gradient_nodes.clear()
 
-
-def take_gradient_outputs(step, names: list[str]) -> dict[str, torch.fx.Node]:
-    """Put None in the gradient output slots of `names`; return each one's gradient value.
-
-    Also drops what only existed to fill .grad (Dynamo's empty_like + copy, the
-    accumulate-into-.grad write), so it neither keeps the gradient alive nor
-    counts as a late read of the parameter."""
-    graph, output = step.graph, step.output_node
-    outputs = list(output.args[0])
-    gradient_values = {}
-    for name in names:
-        gradient_values[name] = gradient_value(step.gradient_nodes[name])
-        outputs[step.gradient_slots[name]] = None
-    output.args = (tuple(outputs),) + tuple(output.args[1:])
-    for name, value in gradient_values.items():
-        gradient = step.gradient_nodes[name]
-        if gradient is not value and not gradient.users:
-            destination = gradient.args[0]
-            graph.erase_node(gradient)
-            if destination.op != "placeholder" and not destination.users:
-                graph.erase_node(destination)    # Dynamo's empty_like(p)
-    return gradient_values
-
-
-def placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
-    found = {}
-    for node in graph.nodes:
-        desc = node.meta.get("desc")
-        if node.op == "placeholder" and type(desc).__name__ == "PlainAOTInput":
-            found[desc.idx] = node
-    return found
-
-
-def gradient_value(gradient: torch.fx.Node) -> torch.fx.Node:
-    """The value the update reads, skipping the writes that only exist to fill `.grad`.
-
-    `copy_(grad_input, old + new)` (accumulation into an existing .grad) -> `old + new`;
-    `copy(empty_like(p), g)` (Dynamo's materialization of a new .grad, eager lowering) -> `g`,
-    so the update follows the gradient's computation, not the copies after all of backward.
-    """
-    aten = torch.ops.aten
-    if gradient.target is aten.copy_.default and gradient.args[0].op == "placeholder":
-        return gradient.args[1]
-    if gradient.target is aten.copy.default and getattr(gradient.args[0], "target", None) is aten.empty_like.default:
-        return gradient.args[1]
-    return gradient
-
-
-# Ops that read only a tensor's metadata (shape, dtype): an update may run before them.
-_METADATA_ONLY = {torch.ops.aten.empty_like.default, torch.ops.aten.sym_size.int,
-                  torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default}
-
-
-def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
-    """Every node that reads the parameter's current value, through views too."""
-    readers, stack = set(), [param]
-    while stack:
-        for user in stack.pop().users:
-            if user in readers or user.target in _METADATA_ONLY:
-                continue
-            readers.add(user)
-            if is_view(user):
-                stack.append(user)
-    return readers
-
-
-def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
-    must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
-    return max(must_follow, key=position.__getitem__)
-
-
-def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Node]:
-    """Copy the slice into the graph at the insert point; `env` maps its placeholders to values.
-
-    Writes its new values into the state (and, if `write_param`, the parameter) with
-    in-place copy_; `env` afterwards maps every slice node to its copy."""
-    inserted = []
-    for node in update.nodes:
-        copy = step.graph.node_copy(node, lambda n: env[n])
-        copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
-        step.set_fake_value(copy)
-        env[node] = copy
-        inserted.append(copy)
-    for target, value in update.writes.items():
-        if target is update.param and not write_param:
-            continue
-        inserted.append(step.write_update(env[target], env[value]))
-    return inserted

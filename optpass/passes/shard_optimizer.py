@@ -3,10 +3,10 @@
 Precondition: a step graph (forward + backward, the supported shape of docs/design.md §4) whose
 gradients are the raw gradients of autograd (legality: no gradient transform
 runs before the update, since the gradients are averaged across ranks here);
-the bucket layout and this rank's shard optimizer (``optpass/zero1.py``); the
-shard optimizer's update harvested from torch.optim (``harvest.py``: one
+the bucket layout and this rank's shard optimizer (``optpass/zero1/state.py``); the
+shard optimizer's update harvested from torch.optim (``optim/harvest.py``: one
 "parameter" per bucket, this rank's flat chunk), with its state tensors and
-each group's lr as extra inputs (``fused_update.ShardedStep`` adds them).
+each group's lr as extra inputs (``runtime/sharded_step.py`` adds them).
 
 Rewrite, per bucket, in three stages; a functional collective (``_c10d_functional``,
 docs/design.md §24, §25) runs in the background from its call until its ``wait_tensor``:
@@ -77,7 +77,7 @@ plus one broadcast of the parameters.
 
 With master_weights (Megatron's distributed optimizer): the chunk of a bf16/fp16
 bucket that a rank updates is its fp32 master shard ``m``, an input of the graph
-(``zero1.ShardedOptimizer`` keeps it; the shard optimizer's state is fp32 too).
+(``zero1.state.ShardedOptimizer`` keeps it; the shard optimizer's state is fp32 too).
 The reduce is an all-to-all of the half-precision gradients, summed in fp32 by
 the rank that owns them (``_AllToAllReduce``), in either plan; the gather stays:
 
@@ -125,9 +125,9 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
-from optpass.passes.clip_grad_norm_in_backward import clip_coefficient, squared_norm, sum_all
-from optpass.passes.optimizer_in_backward import (copy_slice, last_node_update_must_follow,
-                                                  placeholders_by_dynamo_index, take_gradient_outputs)
+from optpass.options import COLLECTIVE_PLANS
+from optpass.passes._graph_utils import (clip_coefficient, copy_slice, last_node_update_must_follow,
+                                         placeholders_by_dynamo_index, squared_norm, sum_all, take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = "sharded_update"
@@ -139,7 +139,7 @@ convert_element_type = torch.ops.prims.convert_element_type.default
 
 @dataclasses.dataclass
 class ShardPlan:
-    sharded: object                            # zero1.ShardedOptimizer
+    sharded: object                            # zero1.state.ShardedOptimizer
     names: dict[int, str]                      # parameter index (optimizer order) -> name in the step
     harvested: object | None                   # HarvestedUpdate of the shard optimizer (None: owns nothing)
     lr_index: dict[int, int]                   # param group -> Dynamo input index
@@ -269,7 +269,7 @@ def _stage_points(step, plan: ShardPlan, gradients: dict) -> dict[int, tuple]:
     latest = lambda nodes: max(nodes, key=position.__getitem__)    # noqa: E731
     ready_of = {b.index: latest([gradients[plan.names[i]] for i in b.params]) for b in plan.sharded.layout.buckets}
     # in the order their gradients are final in this graph (the layout's order is found before
-    # the graph exists: zero1.gradient_order cannot tell a weight's gradient from its bias's)
+    # the graph exists: zero1.layout.gradient_order cannot tell a weight's gradient from its bias's)
     buckets = sorted(plan.sharded.layout.buckets, key=lambda b: (position[ready_of[b.index]], b.index))
     ready = [ready_of[b.index] for b in buckets]
     # optimizer_in_backward: what bucket k waits for goes just before the kernel that first writes
@@ -658,7 +658,9 @@ class AllReducePlan:
 # A plan: describe(layout), start_reduce / finish_reduce ("reduce this bucket, give me my
 # chunk"), start_gather / finish_gather ("gather these chunks"). bench/zero1.py adds one without
 # communication, to time the step without it.
-PLANS = {"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan}
+# by name (option 'collectives'); options validates the option against this dict
+PLANS = COLLECTIVE_PLANS
+PLANS.update({"reduce_scatter": ReduceScatterPlan, "all_reduce": AllReducePlan})
 
 
 def _own(emit: _Emitter, value: torch.fx.Node) -> torch.fx.Node:

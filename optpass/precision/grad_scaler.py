@@ -19,7 +19,7 @@ dropping (``scaler.get_scale()``).
 
 Gradient accumulation: a micro-step (backward, no ``opt.step()``) compiled with the
 same options runs backward of ``loss * scale`` into ``.grad``, as
-``scaler.scale(loss).backward()`` does (``fused_update.ScaledMicroStep``). optpass
+``scaler.scale(loss).backward()`` does (``runtime/scaled_micro_step.py``). optpass
 counts those micro-steps per scaler; a step whose graph adds to existing ``.grad``
 tensors is refused when no scaled micro-step made them (``check_accumulated``).
 """

@@ -1,6 +1,6 @@
 """Save and load a ZeRO-1 sharded optimizer with torch.distributed.checkpoint (DCP).
 
-Each rank holds its chunk of every bucket (``zero1.py``); the chunk boundaries
+Each rank holds its chunk of every bucket (``state.py``); the chunk boundaries
 depend on the world size, the partition and the bucket size. A checkpoint
 therefore stores the state in a layout-free form, the one a single process
 would have: for parameter ``i`` (optimizer order) and state key ``k``, a flat
@@ -35,7 +35,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
-from optpass.zero1 import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
+from optpass.zero1.state import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
 MASTER_KEY = "master"            # a bf16/fp16 parameter's fp32 master, beside its optimizer state

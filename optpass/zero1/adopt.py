@@ -3,7 +3,7 @@
 A run can reach its first zero1 step with full-size state in ``opt.state``: eager steps
 before it, ``opt.load_state_dict(...)`` of a plain torch.optim checkpoint (a run without
 zero1, DDP's), or state the optimizer made in its constructor (Adagrad's ``sum``). The
-sharded optimizer (``zero1.py``) used to start from fresh state and leave the user's in
+sharded optimizer (``state.py``) used to start from fresh state and leave the user's in
 place: a resumed AdamW restarted its moments and bias corrections (measured: 8.5% off an
 uninterrupted run after 3 more steps), and every rank kept the full-size tensors.
 
@@ -18,11 +18,11 @@ Now, when the optimizer is sharded:
   shard keeps its own, unrounded;
 * the user's optimizer keeps no state for the parameters zero1 updates (the full-size
   tensors are freed);
-* the ranks must agree (``state_summary`` is part of ``zero1.signature``): load the same
+* the ranks must agree (``state_summary`` is part of ``state.signature``): load the same
   state on every rank, as for DDP.
 
 A checkpoint of a master_weights run without zero1 holds its parameters' state, and their
-fp32 masters, under one entry (``mixed_precision.STATE_DICT_KEY``): both are taken the same
+fp32 masters, under one entry (``precision.masters.STATE_DICT_KEY``): both are taken the same
 way, the masters' rows into this rank's master shards (which are then not re-read from the
 bf16 parameters). Before, that entry was ignored: the run restarted its moments from zero
 and its masters from the rounded parameters (0.045 off after 3 steps, AdamW, bf16).
@@ -36,6 +36,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
+from optpass.precision.masters import STATE_DICT_KEY, is_rounded_copy
 
 # a master_weights checkpoint's fp32 masters, between the ranks' agreement and the sharding
 _UNPACKED_MASTERS: WeakKeyDictionary = WeakKeyDictionary()
@@ -75,7 +76,7 @@ def state_summary(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) 
 @torch.no_grad()
 def adopt_unsharded_state(sharded) -> None:
     """Move what ``sharded.optimizer.state`` holds for the trainable parameters into this rank's
-    shard state (see the module docstring); `sharded` is a ``zero1.ShardedOptimizer``."""
+    shard state (see the module docstring); `sharded` is a ``state.ShardedOptimizer``."""
     user = sharded.optimizer.state
     params = [p for _, p in sharded.params]
     _unpack_master_weights_entry(sharded.optimizer)
@@ -116,8 +117,6 @@ def _unpack_master_weights_entry(optimizer) -> None:
     """Move a master_weights checkpoint's entry (state and fp32 masters by parameter index, in
     param-group order) to the parameters' own state entries, and its masters aside
     (``_UNPACKED_MASTERS``, {parameter: master}) until the optimizer is sharded."""
-    from optpass.mixed_precision import STATE_DICT_KEY
-
     saved = optimizer.state.pop(STATE_DICT_KEY, None)
     if not saved:
         return
@@ -161,8 +160,6 @@ def _refuse_unequal_bucket(bucket, held: list[int], params: list[torch.Tensor], 
 
 def _is_rounded(made: dict, values: dict, param: torch.Tensor, segment) -> bool:
     """Whether this rank's rows of `values` are the shard's constructor state rounded to their dtype."""
-    from optpass.mixed_precision import is_rounded_copy
-
     if made.keys() != values.keys():
         return False
     scalars = {k for k, v in values.items() if _is_scalar_entry(k, v, param)}

@@ -17,7 +17,7 @@ This module holds what lives outside the step graph, per user optimizer:
 * **the master optimizer** — a torch.optim optimizer of the user's class and
   hyper-parameters over the masters, in the same param groups (each holds the
   masters made so far of its group). It is the one
-  whose update optpass harvests (``harvest.py``) and fuses into the step, so its
+  whose update optpass harvests (``optim/harvest.py``) and fuses into the step, so its
   state is created by torch.optim itself, in fp32. The user's optimizer never
   steps and never holds state; lr is read from the user's param groups at every
   step, so LR schedulers keep working;
@@ -37,7 +37,7 @@ This module holds what lives outside the step graph, per user optimizer:
 ``optpass.master_weights(opt)`` returns ``{parameter: master}`` for the parameters updated so far.
 
 With ``data_parallel="zero1"`` none of this is made: each rank keeps only the
-masters of its shard, as the shard optimizer's parameters (``zero1.py``), saved by
+masters of its shard, as the shard optimizer's parameters (``zero1/state.py``), saved by
 ``optpass.save_sharded_checkpoint``; ``master_weights(opt)`` then says so.
 """
 
@@ -50,12 +50,13 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
-from optpass.options import MASTER_WEIGHTS_ISSUE
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 STATE_DICT_KEY = "optpass.master_weights"
 
 _STORES: WeakKeyDictionary = WeakKeyDictionary()
+# optimizer -> the number of ranks its fp32 masters are sharded over (data_parallel='zero1' notes it)
+_SHARDED_MASTERS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 class MasterWeights:
@@ -345,21 +346,23 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
         _refuse_sharded_masters(optimizer)
         raise OptpassError(
             "this optimizer has no master weights (yet): they are made from the parameters when a step "
-            "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs. "
-            f"({MASTER_WEIGHTS_ISSUE})")
+            "compiled with options={'optimizer': opt, 'master_weights': torch.float32} first runs.")
     store.adopt_loaded()
     store.refresh()
     return {p: m for p, m in store.pairs()}
 
 
+def note_sharded_masters(optimizer: torch.optim.Optimizer, world: int) -> None:
+    """data_parallel='zero1' keeps `optimizer`'s fp32 masters sharded over `world` ranks."""
+    _SHARDED_MASTERS[optimizer] = world
+
+
 def _refuse_sharded_masters(optimizer: torch.optim.Optimizer) -> None:
     """With data_parallel='zero1' no rank holds every master: {parameter: master} cannot be had."""
-    from optpass.zero1 import _SHARDED
-
-    sharded = _SHARDED.get(optimizer)
-    if sharded is not None and sharded.master_dtype is not None:
+    world = _SHARDED_MASTERS.get(optimizer)
+    if world is not None:
         raise OptpassError(
-            f"master_weights(opt): this optimizer's fp32 masters are sharded over the {sharded.pg.world} "
+            f"master_weights(opt): this optimizer's fp32 masters are sharded over the {world} "
             "ranks of data_parallel='zero1' (rank r holds the masters of its chunk of each bucket, with "
             "the optimizer state), so no rank has a full master of every parameter. This rank's pieces: "
             "optpass.zero1.sharded_state(opt).master_pieces() ({parameter index: [(start, stop, fp32 "

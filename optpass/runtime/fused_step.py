@@ -1,5 +1,8 @@
-"""The step callable that runs the optimizer inside backward (options optimizer_in_backward).
+"""The step callable whose graph runs the update: torch.optim's update fused into the step graph,
+inside backward (options optimizer_in_backward) or after it (a grad_scaler's step).
 
+``FusedStep`` is also the base of the steps that update on fp32 masters
+(``master_weights_step.py``) and on this rank's ZeRO-1 shard (``sharded_step.py``).
 Dynamo calls this object in place of the step graph. Each call is one
 micro-step; with ``accumulation_steps=K`` micro-steps 1..K-1 of a window run
 the plain graph (gradients accumulate into ``.grad``) and micro-step K runs the
@@ -11,7 +14,7 @@ outside the compiled step (the end-of-epoch flush); ``.grad`` the user left in
 place is part of the window (``_Session``).
 
 Every update is fused, the first one included: the update is harvested from
-torch.optim (``harvest.py``) for the optimizer's state *as it is now*, the step
+torch.optim (``optim/harvest.py``) for the optimizer's state *as it is now*, the step
 graph gets the optimizer's state tensors and each group's lr as extra inputs
 (docs/design.md §19), and the ``optimizer_in_backward`` pass splices each parameter's
 update in after its gradient is final. So no step of the run holds more than a
@@ -29,7 +32,7 @@ few gradients at once — the whole run's peak is the fused step's:
   ``add_param_group`` — harvests and compiles again (usually twice a run at most).
 
 With a ``grad_scaler`` the graph also gets the scaler's tensors (scale, growth
-tracker, optpass's skip flag and count: ``grad_scaler.py``), its loss is
+tracker, optpass's skip flag and count: ``precision/grad_scaler.py``), its loss is
 multiplied by the scale (``loss_scaling.scale_loss``), and the update is fused
 even without optimizer_in_backward (after backward: a skipped step must skip it
 in the same graph). State a skipped first update created is not stored: eager
@@ -55,13 +58,12 @@ from weakref import WeakKeyDictionary
 import torch
 import torch.fx
 
-from optpass import grad_scaler
-from optpass.capture import CapturedGraph, module_buffers
+from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.harvest import CreatedState, HarvestedUpdate, harvest_update
+from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
-from optpass.rank_agreement import explain_failed_collective
+from optpass.precision import grad_scaler
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -131,8 +133,10 @@ class _FusedGraph:
     hyperparameters: list[dict]
 
 
-class OptimizerInBackwardStep:
-    feature = "optimizer_in_backward"
+class FusedStep:
+    """Runs a step whose graph applies torch.optim's update (see the module docstring)."""
+
+    feature = "optimizer_in_backward"     # how error messages name the option that fused the update
 
     def __init__(self, gm: torch.fx.GraphModule, captured: CapturedGraph, options, plain: Callable,
                  compile_fn: Callable[[torch.fx.GraphModule, list, dict], Callable]):
@@ -200,6 +204,13 @@ class OptimizerInBackwardStep:
         for slot in self.fused_slots:
             outputs[slot] = None
         return outputs
+
+    def compile_for_explain(self, example_inputs: list) -> Callable:
+        """optpass.explain: compile the fused graph the first real step compiles (torch.optim's update
+        harvested and spliced in, lowered by ``compile_fn``) and return what runs it: the step's
+        outputs without the fused gradients, nothing stored into the optimizer's state."""
+        fused, _ = self._compile_fused(list(example_inputs))
+        return lambda *args: self._without_fused_gradients(list(fused.run(*args, *fused.extras())))
 
     # -------------------------------------------------------------- fused
 
@@ -274,7 +285,7 @@ class OptimizerInBackwardStep:
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
         # extra inputs, in this order: each group's lr, the scaler's tensors, separate parameters
         # (masters), state
-        first_extra = _append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
+        first_extra = append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
                                            [f"optpass_master_{n}".replace(".", "_") for n in separate] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
         first_master = first_extra + len(groups) + len(scaler_names)
@@ -309,7 +320,7 @@ class OptimizerInBackwardStep:
         inputs = extras()
         # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
         # tensors: a size Dynamo made dynamic (sequence length, last batch) stays symbolic.
-        run = self.compile_fn(gm, _symbolic_inputs(self.gm, args, inputs), context)
+        run = self.compile_fn(gm, symbolic_inputs(self.gm, args, inputs), context)
         return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
@@ -329,37 +340,7 @@ class OptimizerInBackwardStep:
                     f"OneCycleLR(cycle_momentum=False), or drop {self.feature}.")
 
 
-class ScaledMicroStep:
-    """A micro-step of gradient accumulation under grad_scaler (backward, no ``opt.step()``, the update
-    after backward): its graph differentiates ``loss * scale`` (``loss_scaling.scale_loss``, the
-    scaler's scale an extra input read at every call), so ``.grad`` accumulates scaled gradients, as
-    ``scaler.scale(loss).backward()`` leaves them; it returns what the step returns (the unscaled
-    loss). The step that follows, compiled with the same options, unscales, checks and applies the
-    sum (``grad_scaler.check_accumulated`` refuses a sum no scaled micro-step made)."""
-
-    def __init__(self, gm: torch.fx.GraphModule, captured: CapturedGraph, options,
-                 compile_fn: Callable[[torch.fx.GraphModule, list, dict], Callable]):
-        self.gm, self.scaler, self.compile_fn = gm, options.grad_scaler, compile_fn
-        self.device = captured.params[0].tensor.device if captured.params else torch.device("cpu")
-        self._run: Callable | None = None
-
-    def __call__(self, *args):
-        scale = grad_scaler.graph_inputs(self.scaler, self.device)[0]
-        if self._run is None:
-            self._run = self._compile(list(args), scale)
-        outputs = self._run(*args, scale)
-        grad_scaler.note_micro_step(self.scaler)
-        return outputs
-
-    @torch._dynamo.disable
-    def _compile(self, args: list, scale: torch.Tensor) -> Callable:
-        gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-        index = _append_placeholders(gm, ["optpass_scale"])
-        loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][index])
-        return self.compile_fn(gm, _symbolic_inputs(self.gm, args, [scale]), {})
-
-
-def _symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
+def symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
     """Dynamo's example values of the step's inputs (fake tensors, SymInts) + fakes of the extras."""
     from torch._guards import detect_fake_mode
 
@@ -381,8 +362,6 @@ def _layout_of(value: Any) -> Any:
 
 def refuse_update_during_accumulation(captured: CapturedGraph, options) -> None:
     """With accumulation_steps > 1 optpass applies the update; an opt.step() in the step would too."""
-    from optpass.capture import GraphKind
-
     if captured.kind is not GraphKind.UPDATE or options.accumulation_steps == 1:
         return
     fused = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
@@ -400,7 +379,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
+def append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
     """Add inputs after the existing ones; returns the index of the first new one."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_before(placeholders[-1].next):
@@ -409,176 +388,3 @@ def _append_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> int:
             node._dynamo_source = None  # AOTAutograd checks Dynamo metadata of every placeholder
     gm.recompile()
     return len(placeholders)
-
-
-def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, options):
-    """This rank's ZeRO-1 state of ``options.optimizer`` (``zero1.sharded_optimizer``), made at the first
-    compile of any step graph that uses it, a micro-step's included: the ranks agree on the model and
-    take rank 0's parameters before any gradient is computed, and the optimizer refuses an eager
-    ``opt.step()`` from then on. Buckets follow the order in which this graph's backward makes the
-    gradients final (every step graph of the program runs the same backward)."""
-    from optpass.zero1 import gradient_order, sharded_optimizer, trainable_params
-
-    names_by_id = {id(p.tensor): p.name for p in captured.params}
-    placeholder_of = {id(p.tensor): p.input_index for p in captured.params if p.input_index is not None}
-    trainable = trainable_params(options.optimizer)
-    order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
-                                      if id(p) in placeholder_of}, len(trainable))
-    frozen = {p.name: p.tensor for p in captured.params if not p.tensor.requires_grad}
-    return sharded_optimizer(options.optimizer, options.process_group, options.partition,
-                             options.bucket_bytes, names_by_id, options.master_weights, order,
-                             step=options.across_ranks(), replicated={**frozen, **module_buffers(gm)})
-
-
-class ShardedStep(OptimizerInBackwardStep):
-    """The step callable for data_parallel='zero1' (with or without optimizer_in_backward).
-
-    Same life cycle as OptimizerInBackwardStep, but the update is this rank's
-    shard optimizer's (``zero1.py``): from the first update on, the ``shard_optimizer``
-    pass puts reduce-scatter, shard update and all-gather into the step graph (the
-    shard optimizer's state is created 1/N-sized, as torch.optim's first step would).
-    With master_weights the fp32 master shards are extra inputs of the fused graph,
-    like the state, and the graph updates them in place.
-    """
-
-    feature = "data_parallel='zero1'"
-
-    def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        names_by_id = {id(p.tensor): p.name for p in captured.params}
-        self.sharded = shard_the_optimizer(gm, captured, options)
-        super().__init__(gm, captured, options, plain, compile_fn)
-        self.names = {i: names_by_id.get(id(p)) for i, (_, p) in enumerate(self.sharded.params)}
-        sharded_ids = {id(p) for _, p in self.sharded.params}
-        unsharded = [name for name, p in self.fused.items() if id(p) not in sharded_ids]
-        if unsharded:
-            raise OptpassError(
-                f"data_parallel='zero1': parameter(s) {', '.join(unsharded[:3])} get gradients in this step "
-                "but did not require grad when the optimizer was sharded (at its first compiled step: "
-                "unfrozen since?). ZeRO-1 buckets and shards the parameters that require grad then, and "
-                "cannot add one later: its gradient would be dropped. Set requires_grad on every parameter "
-                "to train before the first step, or build a new optimizer (and compile the step with it) "
-                "after unfreezing.")
-        missing = [name or self._optimizer_position(i) for i, name in self.names.items()
-                   if name not in self.fused]
-        if missing:
-            raise OptpassError(
-                f"data_parallel='zero1': {len(missing)} parameter(s) in the optimizer require grad but get no "
-                f"gradient in this step: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}. ZeRO-1 "
-                "reduces and updates every parameter of its optimizer at every step, so a parameter that a "
-                "step does not use (on every rank, or on some: what DDP's find_unused_parameters=True "
-                "allows) is not supported. Set requires_grad=False on parameters the step never uses, or "
-                "leave them out of the optimizer; a model whose steps use different parameters "
-                "(alternating heads, a branch per rank) cannot train under zero1.")
-
-    def _optimizer_position(self, index: int) -> str:
-        """A parameter the graph does not name: where it is in the optimizer, and its shape."""
-        group, p = self.sharded.params[index]
-        position = next(k for k, q in enumerate(self.optimizer.param_groups[group]["params"]) if q is p)
-        return f"opt.param_groups[{group}]['params'][{position}] of shape {list(p.shape)}"
-
-    def __call__(self, *args):
-        self.sharded.refresh_masters()       # a checkpoint without masters was loaded
-        try:
-            return self.sharded.replicas.run(super().__call__, args)    # rank 0's buffers first
-        except OptpassError:
-            raise
-        except RuntimeError as error:
-            pg = self.sharded.pg
-            raise OptpassError(
-                f"data_parallel='zero1': the step failed on rank {pg.rank} of {pg.world}: {error}\n"
-                f"{explain_failed_collective(pg.group)}") from error
-
-    def _find_fused_parameters(self) -> None:
-        if self._membership is not None:
-            raise OptpassError(
-                "data_parallel='zero1': the optimizer's param groups changed (add_param_group?) after "
-                "the parameters were bucketed and sharded over the ranks. Build the optimizer with every "
-                "param group before the first step.")
-        super()._find_fused_parameters()
-
-    def _update_source(self):
-        shard_optimizer = self.sharded.shard_optimizer
-        if shard_optimizer is None:
-            return None, {}
-        return shard_optimizer, {self.sharded.shard_name(b): self.sharded.shards[b.index]
-                                 for b in self.sharded.layout.buckets if b.index in self.sharded.shards}
-
-    def _lr(self, group: int):
-        return self.optimizer.param_groups[self.sharded.user_group[group]]["lr"]
-
-    def _separate_params(self, names):
-        """The fp32 master shards (master_weights): they persist, so they are inputs of the graph."""
-        buckets = {self.sharded.shard_name(b): b for b in self.sharded.layout.buckets}
-        return [name for name in names if self.sharded.has_master(buckets[name])]
-
-    def _scaled_gradients(self, harvested, separate):
-        """Every bucketed parameter's own gradient: each rank unscales and checks its gradients before
-        the reduction (unscaling is exact: the scale is a power of two), into fp32 for the buckets
-        updated on fp32 masters (they are reduced in fp32 anyway)."""
-        layout = self.sharded.layout
-        return ([self.names[i] for i in layout.parameters()],
-                {self.names[i] for b in layout.buckets if self.sharded.has_master(b) for i in b.params})
-
-    def _found_inf_group(self):
-        """An inf/nan in one rank's gradients reaches every rank's averaged gradients: every rank
-        skips. One all_reduce of the local flags decides (Megatron: of found_inf over the DP group)."""
-        return self.sharded.pg.name
-
-    def _make_plan(self, harvested, lr_index, state_index, param_index):
-        from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
-
-        device = self.sharded.params[0][1].device
-        return SHARD_KEY, ShardPlan(self.sharded, self.names, harvested, lr_index, state_index,
-                                    in_backward=self.options.optimizer_in_backward,
-                                    clip_grad_norm=self.options.clip_grad_norm, master_index=param_index,
-                                    collectives=choose_collectives(self.options.collectives,
-                                                                   self.sharded.pg.backend_for(device)))
-
-
-class MasterWeightsStep(OptimizerInBackwardStep):
-    """The step callable for master_weights (with or without optimizer_in_backward).
-
-    Same life cycle as OptimizerInBackwardStep, but the update is the master
-    optimizer's (``mixed_precision.py``: the user's class and hyper-parameters
-    over fp32 masters): the ``master_weights`` pass casts each bf16/fp16 gradient
-    to fp32, runs torch.optim's harvested update on the master, and copies the
-    rounded master into the parameter, inside backward (optimizer_in_backward) or
-    after it. The masters are extra inputs of the fused graph, like the state; only
-    the parameters the step updates have them (made when a step first updates them).
-    """
-
-    feature = "master_weights"
-
-    def __init__(self, gm, captured: CapturedGraph, options, plain, compile_fn):
-        from optpass.mixed_precision import master_state
-
-        self.masters = master_state(options.optimizer, options.master_weights)
-        super().__init__(gm, captured, options, plain, compile_fn)
-
-    def __call__(self, *args):
-        self.masters.adopt_loaded()          # a checkpoint loaded before optpass knew the optimizer
-        self.masters.refresh()
-        return super().__call__(*args)
-
-    def _find_fused_parameters(self) -> None:
-        self.masters.sync_groups()           # add_param_group: the new group gets masters
-        super()._find_fused_parameters()
-
-    @torch._dynamo.disable
-    def _compile_fused(self, args):
-        self.masters.sync_settings()         # harvest the update the user's optimizer describes now
-        return super()._compile_fused(args)
-
-    def _update_source(self):
-        # a parameter this step updates for the first time gets its master now (none for the others)
-        master_of = self.masters.masters_for(self.fused.values())
-        return self.masters.master_optimizer, {name: master_of[id(p)] for name, p in self.fused.items()}
-
-    def _separate_params(self, names):
-        return [name for name, master in names.items() if master is not self.fused[name]]
-
-    def _make_plan(self, harvested, lr_index, state_index, param_index):
-        from optpass.passes.master_weights import CONTEXT_KEY as MASTER_KEY, MasterPlan
-
-        return MASTER_KEY, MasterPlan(harvested, lr_index, state_index, param_index,
-                                      in_backward=self.options.optimizer_in_backward)

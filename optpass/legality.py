@@ -48,6 +48,7 @@ import torch.fx
 from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, backward_outside_message,
                              is_existing_gradient, readable_source, source_name)
 from optpass.errors import OptpassError, SourceLine, node_user_line, stack_frames
+from optpass.precision.masters import step_outside_message
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
 
@@ -179,7 +180,7 @@ def check_grad_scaler(captured: CapturedGraph, options) -> None:
     _refuse_unseen_gradient_transforms(captured, "grad_scaler", options.optimizer)
     # Without optimizer_in_backward a step without opt.step() is a micro-step of gradient
     # accumulation: it scales its backward and leaves the scaled gradients in .grad
-    # (fused_update.ScaledMicroStep); the next whole step unscales and checks their sum.
+    # (runtime/scaled_micro_step.py); the next whole step unscales and checks their sum.
     if options.optimizer_in_backward and captured.accumulating:
         raise OptpassError(
             "grad_scaler with optimizer_in_backward: this step accumulates into existing .grad tensors "
@@ -265,8 +266,6 @@ def check_master_weights(captured: CapturedGraph, options) -> None:
     if captured.kind is GraphKind.UPDATE:
         # opt.step() with gradients present: the fused step left none, so they come from elsewhere
         # (a compiled micro-step) and this update would bypass the masters
-        from optpass.mixed_precision import step_outside_message
-
         in_optimizer = {id(p) for g in options.optimizer.param_groups for p in g["params"]}
         fed = [p.tensor for p in captured.params
                if p.name in captured.gradient_inputs and id(p.tensor) in in_optimizer]

@@ -1,6 +1,6 @@
 """Whether an optimizer's update is elementwise: what sharding it over flat buckets (ZeRO-1) needs.
 
-optpass's ZeRO-1 (``zero1.py``) updates this rank's piece of each flat bucket with an
+optpass's ZeRO-1 (``zero1/``) updates this rank's piece of each flat bucket with an
 optimizer of the user's class over that flat piece. That is the user's update only if
 each element's new value depends on nothing but that element's parameter, gradient and
 state, and on scalars (lr, the step counter): SGD, Adam(W), Adagrad, RMSprop, NAdam,
@@ -10,7 +10,7 @@ matrices) or an optimizer with a per-parameter trust ratio (LAMB, LARS: a norm o
 whole parameter): over a flat piece they compute something else, silently (measured,
 Adafactor on 2 ranks: 2.3% off single-process training after 5 steps).
 
-The check runs the same trace the step's update comes from (``harvest.py``): the update of
+The check runs the same trace the step's update comes from (``optim/harvest.py``): the update of
 a stand-in optimizer of the user's class, param-group settings and dtype, over one small
 2-D parameter per group, as an aten graph. Every op there that reads or makes a
 parameter-sized tensor must be pointwise (``torch.Tag.pointwise``), a copy, a view that
@@ -20,12 +20,14 @@ refusal.
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
 import torch.fx
 
 from optpass.errors import OptpassError
+from optpass.optim.harvest import harvest_update
 
 STAND_IN_SHAPE = (3, 4)         # 2-D (Adafactor factors it, Muon accepts it), and no scalar has 12 elements
 _SIZE = STAND_IN_SHAPE[0] * STAND_IN_SHAPE[1]
@@ -60,8 +62,6 @@ def _verdict_key(optimizer, dtype) -> tuple:
 
 
 def _find_non_elementwise_ops(optimizer, dtype) -> list[str]:
-    from optpass.harvest import harvest_update
-
     stand_in = _stand_in_optimizer(optimizer, dtype)
     if stand_in is None:
         return []          # the class cannot be built this way: the sharded one's build says why
@@ -79,8 +79,6 @@ def _find_non_elementwise_ops(optimizer, dtype) -> list[str]:
 
 
 def _stand_in_optimizer(optimizer, dtype):
-    import inspect
-
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}

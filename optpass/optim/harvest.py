@@ -45,7 +45,7 @@ import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.errors import OptpassError
-from optpass.harvest_scalars import group_entry_role, tensorize_scalars
+from optpass.optim.scalars import group_entry_role, tensorize_scalars
 
 
 
@@ -145,7 +145,7 @@ def _record_update_graphs(optimizer, params, float_lrs, roles) -> tuple[list[_Re
     """Compile opt.step as one graph with a backend that records it and runs nothing.
 
     Returns the recorded graphs and whether they compute Python numbers from tensors
-    (``harvest_scalars``: Adafactor's ``step.item()``), which the usual trace cannot hold.
+    (``scalars``: Adafactor's ``step.item()``), which the usual trace cannot hold.
     `roles()` names every tensor the update may read, by identity; it is asked while
     Dynamo compiles, after torch.optim's ``_init_group`` created any missing state."""
     try:

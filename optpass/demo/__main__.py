@@ -87,7 +87,7 @@ def run_variant(args) -> None:
     from tqdm import tqdm
 
     import optpass  # both variants: the same imports, and backward() traced into the step graph
-    from optpass.models import MLPLM, batches, synthetic_corpus
+    from optpass.demo.models import MLPLM, batches, synthetic_corpus
 
     memory = _Memory(args.device)       # after the imports, before the model: the baseline
     size = SIZES[args.size]

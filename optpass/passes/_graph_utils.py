@@ -1,0 +1,204 @@
+"""What the passes share: reading a fused gradient and splicing an update in (from
+optimizer_in_backward), and the norm-only first backward with the reductions after it (from
+clip_grad_norm_in_backward). A pass imports these from here, never from another pass."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.fx
+
+from optpass.step import BACKWARD, GRADIENT_TRANSFORM, is_view
+
+aten = torch.ops.aten
+
+# Where the runtime puts the plan of a fused update in ``StepGraph.context`` (clip_grad_norm_in_backward
+# clips the gradients of either).
+OPTIMIZER_UPDATE = "optimizer_update"     # optimizer_in_backward's plan
+MASTER_UPDATE = "master_update"           # master_weights' plan
+
+
+# ---------------------------------------------------------------- a fused gradient and its update
+
+def take_gradient_outputs(step, names: list[str]) -> dict[str, torch.fx.Node]:
+    """Put None in the gradient output slots of `names`; return each one's gradient value.
+
+    Also drops what only existed to fill .grad (Dynamo's empty_like + copy, the
+    accumulate-into-.grad write), so it neither keeps the gradient alive nor
+    counts as a late read of the parameter."""
+    graph, output = step.graph, step.output_node
+    outputs = list(output.args[0])
+    gradient_values = {}
+    for name in names:
+        gradient_values[name] = gradient_value(step.gradient_nodes[name])
+        outputs[step.gradient_slots[name]] = None
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    for name, value in gradient_values.items():
+        gradient = step.gradient_nodes[name]
+        if gradient is not value and not gradient.users:
+            destination = gradient.args[0]
+            graph.erase_node(gradient)
+            if destination.op != "placeholder" and not destination.users:
+                graph.erase_node(destination)    # Dynamo's empty_like(p)
+    return gradient_values
+
+
+def placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
+    found = {}
+    for node in graph.nodes:
+        desc = node.meta.get("desc")
+        if node.op == "placeholder" and type(desc).__name__ == "PlainAOTInput":
+            found[desc.idx] = node
+    return found
+
+
+def gradient_value(gradient: torch.fx.Node) -> torch.fx.Node:
+    """The value the update reads, skipping the writes that only exist to fill `.grad`.
+
+    `copy_(grad_input, old + new)` (accumulation into an existing .grad) -> `old + new`;
+    `copy(empty_like(p), g)` (Dynamo's materialization of a new .grad, eager lowering) -> `g`,
+    so the update follows the gradient's computation, not the copies after all of backward.
+    """
+    aten = torch.ops.aten
+    if gradient.target is aten.copy_.default and gradient.args[0].op == "placeholder":
+        return gradient.args[1]
+    if gradient.target is aten.copy.default and getattr(gradient.args[0], "target", None) is aten.empty_like.default:
+        return gradient.args[1]
+    return gradient
+
+
+# Ops that read only a tensor's metadata (shape, dtype): an update may run before them.
+_METADATA_ONLY = {torch.ops.aten.empty_like.default, torch.ops.aten.sym_size.int,
+                  torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default}
+
+
+def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every node that reads the parameter's current value, through views too."""
+    readers, stack = set(), [param]
+    while stack:
+        for user in stack.pop().users:
+            if user in readers or user.target in _METADATA_ONLY:
+                continue
+            readers.add(user)
+            if is_view(user):
+                stack.append(user)
+    return readers
+
+
+def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
+    must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
+    return max(must_follow, key=position.__getitem__)
+
+
+def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Node]:
+    """Copy the slice into the graph at the insert point; `env` maps its placeholders to values.
+
+    Writes its new values into the state (and, if `write_param`, the parameter) with
+    in-place copy_; `env` afterwards maps every slice node to its copy."""
+    inserted = []
+    for node in update.nodes:
+        copy = step.graph.node_copy(node, lambda n: env[n])
+        copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
+        step.set_fake_value(copy)
+        env[node] = copy
+        inserted.append(copy)
+    for target, value in update.writes.items():
+        if target is update.param and not write_param:
+            continue
+        inserted.append(step.write_update(env[target], env[value]))
+    return inserted
+
+
+# ---------------------------------------------------------------- the first backward and reductions
+
+FIRST_BACKWARD = "first_backward"
+
+
+@contextlib.contextmanager
+def replacing_gradient(step, name: str, value: torch.fx.Node):
+    """``with replacing_gradient(step, name, value) as replace: replace(new)``: `new`, computed from
+    `value` inside the block, becomes what every earlier reader of `value` reads (Dynamo's copy into
+    ``.grad`` included), and the gradient the fused update of `name` reads."""
+    readers = set(value.users)
+
+    def replace(new: torch.fx.Node) -> None:
+        value.replace_all_uses_with(new, delete_user_cb=readers.__contains__)
+        if step.gradient_nodes[name] is value:
+            step.gradient_nodes[name] = new
+    yield replace
+
+
+@dataclasses.dataclass
+class FirstBackward:
+    """A copy of the backward that leads to the fused gradients, run before the real one."""
+
+    copies: dict[torch.fx.Node, torch.fx.Node]    # original node -> its copy
+    end: torch.fx.Node                            # the real backward's first node (the copy precedes it)
+
+
+def first_backward(step, targets: list[torch.fx.Node]) -> FirstBackward:
+    """The first backward that computes `targets` (made once per compile, shared by the passes that
+    need every gradient before any update: loss scaling's inf/nan check, global-norm clipping).
+    Callers reduce each copied target right after it (``reduce_after``), so it dies there."""
+    made = step.context.get(FIRST_BACKWARD)
+    if made is not None and all(t in made.copies for t in targets):
+        return made
+    graph = step.graph
+    to_copy = _backward_cone(step, targets)
+    end = next(n for n in graph.nodes if n in to_copy)
+    # The copy reads forward values that the graph may define after `end` (see define_inputs_before).
+    step.define_inputs_before(to_copy, end, "the norm-only first backward that options 'clip_grad_norm' "
+                                            "and 'grad_scaler' run inside backward")
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    with graph.inserting_before(end):
+        for node in list(graph.nodes):
+            if node in to_copy:
+                env[node] = graph.node_copy(node, lambda n: env.get(n, n))
+    made = FirstBackward(env, end)
+    step.context[FIRST_BACKWARD] = made
+    return made
+
+
+def in_graph_order(graph: torch.fx.Graph, nodes) -> list[torch.fx.Node]:
+    """`nodes` in the order the graph computes them (the order their norms are summed in)."""
+    wanted = set(nodes)
+    return [n for n in graph.nodes if n in wanted]
+
+
+def reduce_after(step, value: torch.fx.Node, reduce) -> torch.fx.Node:
+    """`reduce(emit, value)` inserted right after `value`, so that `value` can die there."""
+    with step.graph.inserting_before(value.next):
+        return reduce(step.emit, value)
+
+
+def squared_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
+    """sum(value * value): a 0-d tensor."""
+    return emit(aten.sum.default, emit(aten.mul.Tensor, value, value))
+
+
+def sum_all(emit, values: list[torch.fx.Node]) -> torch.fx.Node:
+    """values[0] + values[1] + ...: adds, not stack (stack is decomposed before post-grad passes)."""
+    total = values[0]
+    for value in values[1:]:
+        total = emit(aten.add.Tensor, total, value)
+    return total
+
+
+def clip_coefficient(emit, norm: torch.fx.Node, max_norm: float) -> torch.fx.Node:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: clamp(max_norm / (norm + 1e-6), max=1)."""
+    scale = emit(aten.mul.Tensor, emit(aten.reciprocal.default, emit(aten.add.Tensor, norm, 1e-6)), max_norm)
+    return emit(aten.clamp_max.default, scale, 1.0)
+
+
+def _backward_cone(step, gradients: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes after the forward that a fused gradient depends on."""
+    cone, stack = set(), list(gradients)
+    while stack:
+        node = stack.pop()
+        if node in cone or step.region_of(node) not in (BACKWARD, GRADIENT_TRANSFORM):
+            continue
+        cone.add(node)
+        stack.extend(node.all_input_nodes)
+    return cone
