@@ -161,3 +161,20 @@ def test_nothing_cites_a_file_outside_the_repository():
             if OUTSIDE.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+# History belongs to git: a date, "until/since <date>" or a tracker number in code or a message.
+HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:[Uu]ntil|[Ss]ince) 20\d\d|\b[Ii]ssue #?\d+")
+
+
+def test_code_comments_and_messages_carry_no_history():
+    """Docstrings, comments and messages in optpass/, tests/, bench/*.py and examples/*.py say what
+    holds; when it changed is in git (bench/RESULTS.md dates its measurements)."""
+    hits = []
+    for path in _code_files():
+        if path == pathlib.Path(__file__).resolve() or path.suffix != ".py":
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if HISTORY.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "\n".join(hits)

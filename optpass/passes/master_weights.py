@@ -36,8 +36,7 @@ clip_grad_norm, which clips the fp32 gradients) is not cast again; every write
 goes through ``StepGraph.write_update`` (skipped on inf/nan with a grad_scaler).
 
 Refuses (``options.py``, ``optpass/legality.py``): a master dtype other than float32, no
-optimizer, clip_grad_norm or grad_scaler together with data_parallel (issue 13), a
-GradScaler called in the step (the ``grad_scaler`` option is the way), an optimizer
+optimizer, a GradScaler called in the step (the ``grad_scaler`` option is the way), an optimizer
 over parameters none of which is bf16/fp16.
 
     before:                                   after (optimizer_in_backward):

@@ -96,8 +96,8 @@ Measured on the tests' MLP against the Megatron-way reference (fp32 average;
 bench/zero1_master_weights_reduction.py): reducing in the half dtype put
 parameters up to 27 ulps and masters up to 5.7e-4 (relative) off after one step
 from the same state (2-3 ranks, AdamW/SGD, bf16/fp16), against 0-1 ulp and 8e-7
-for fp32. Until 2026-11-24 the gradients were cast to fp32 before an fp32
-reduce (all_reduce_ / reduce_scatter_tensor): the same sum (bitwise at 2 ranks,
+for fp32. Casting the gradients to fp32 before an fp32 reduce
+(all_reduce_ / reduce_scatter_tensor) gives the same sum (bitwise at 2 ranks,
 the order of N > 2 fp32 additions aside), for twice the bytes and an fp32 copy
 of the bucket beside its bf16 gradients. Sent as they are, a rank holds the bf16
 bucket and what it receives (2 + 2 bytes per element, not 2 + 4), a step moves

@@ -2,12 +2,12 @@
 
 A run can reach its first zero1 step with full-size state in ``opt.state``: eager steps
 before it, ``opt.load_state_dict(...)`` of a plain torch.optim checkpoint (a run without
-zero1, DDP's), or state the optimizer made in its constructor (Adagrad's ``sum``). The
-sharded optimizer (``state.py``) used to start from fresh state and leave the user's in
-place: a resumed AdamW restarted its moments and bias corrections (measured: 8.5% off an
-uninterrupted run after 3 more steps), and every rank kept the full-size tensors.
+zero1, DDP's), or state the optimizer made in its constructor (Adagrad's ``sum``). A
+sharded optimizer (``state.py``) that started from fresh state and left the user's in
+place would restart a resumed AdamW's moments and bias corrections (measured: 8.5% off an
+uninterrupted run after 3 more steps), and every rank would keep the full-size tensors.
 
-Now, when the optimizer is sharded:
+So, when the optimizer is sharded:
 
 * each rank copies its rows of every per-element state tensor (the tensor has the
   parameter's shape) into its shard's state, cast to the shard's dtype (the fp32 masters'

@@ -116,8 +116,8 @@ def on_masters(dtype: torch.dtype, master_dtype: torch.dtype | None) -> bool:
 def reduced_bytes(p: torch.Tensor, master_dtype: torch.dtype | None) -> int:
     """Bytes of ``p``'s gradient in the dtype it is summed in: with master weights a bf16/fp16
     gradient is sent as it is and summed in the master dtype (fp32) by its owner, so a bucket of
-    ``bucket_bytes`` is the same elements as when it was cast before an fp32 reduction (until
-    2026-11-24; layouts and checkpoints unchanged)."""
+    ``bucket_bytes`` holds the same elements as if it were cast to fp32 before the reduction (the
+    layouts of checkpoints do not depend on how the gradients travel)."""
     return p.numel() * (master_dtype.itemsize if on_masters(p.dtype, master_dtype) else p.element_size())
 
 
