@@ -37,6 +37,32 @@ enable_backward_capture()
 
 
 def optpass_backend(gm, example_inputs, options=None, mode=None):
+    """Compile one Dynamo graph of a step: capture it, run the pass pipeline, lower it.
+
+    Users do not call this function: ``torch.compile(step, backend="optpass", options={...})``
+    finds it through the ``torch_dynamo_backends`` entry point and calls it once per Dynamo graph
+    of the step. A refusal raised on one rank of a data-parallel step is announced to the other
+    ranks, so that ranks waiting for this one in a collective fail too.
+
+    Args:
+        gm: the ``torch.fx.GraphModule`` Dynamo captured.
+        example_inputs: the graph's example inputs, as Dynamo hands them to a backend.
+        options: the dict given as ``torch.compile(..., options=...)``; None: every option at its
+            default. The options, their defaults and what they do: ``optpass.options_help()`` or
+            the README's options table.
+        mode: ``torch.compile``'s ``mode``; only None or ``"default"`` is accepted (optpass is
+            configured with ``options``).
+
+    Returns:
+        The callable that runs the graph: Inductor's (or, with ``lower="eager"``, the aten
+        graph's) code, or for a step whose update is fused into the graph the step runtime that
+        the options select.
+
+    Raises:
+        OptpassError: an unknown option, a value of the wrong type or a refused combination of
+            options; a ``mode`` other than None or ``"default"``; a step that a requested rewrite
+            cannot be applied to (the message names the line and the fix).
+    """
     try:
         return _compile(gm, example_inputs, options, mode)
     except RanksDisagree:

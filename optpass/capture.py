@@ -124,6 +124,16 @@ class _OptimizerRecordFunctionNote(logging.Filter):
 
 
 class GraphKind(str, enum.Enum):
+    """What a Dynamo graph of a compiled step holds (a ``str`` enum: ``GraphKind.STEP == "step"``).
+
+    Attributes:
+        STEP: forward + backward (+ gradient transforms).
+        FORWARD: forward only; a graph break before backward() put backward outside the graph.
+        MODEL: a forward with no backward() in the compiled code (a model compiled alone).
+        UPDATE: optimizer.step().
+        OTHER: anything else.
+    """
+
     STEP = "step"          # forward + backward (+ gradient transforms)
     FORWARD = "forward"    # forward only; a graph break before backward() put it outside the graph
     MODEL = "model"        # a forward with no backward() in the compiled code (a model compiled alone)
@@ -469,7 +479,12 @@ def warn_backward_outside(captured: CapturedGraph) -> None:
 
 
 class RecompilingUpdateWarning(UserWarning):
-    """optimizer.step() compiles again for every new float hyper-parameter value."""
+    """optimizer.step() compiles again for every new float hyper-parameter value.
+
+    Warned once per optimizer, at the third compile of its update with the hyper-parameters
+    baked in as constants (after Dynamo's recompile limit the optimizer would run eagerly); the
+    message gives the fix (a tensor lr is a graph input). A ``UserWarning``.
+    """
 
 
 def warn_if_update_recompiles(captured: CapturedGraph) -> None:
@@ -503,7 +518,11 @@ def _ordinal_suffix(n: int) -> str:
 
 
 class BackwardOutsideGraphWarning(UserWarning):
-    """backward() graph-broke: the step's backward runs from eager autograd, not in optpass's graph."""
+    """backward() graph-broke: the step's backward runs from eager autograd, not in optpass's graph.
+
+    Warned once per source line, at the user's line, with the reason for the break and the fix,
+    unless the option ``warn_on_graph_break`` is False. A ``UserWarning``.
+    """
 
 
 SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_grad(); return out")

@@ -33,7 +33,18 @@ __all__ = ["bucket_size", "pad_batch"]
 
 def bucket_size(batch_size: int, multiple: int) -> int:
     """The padded size of a batch of ``batch_size`` examples: the next multiple of ``multiple``,
-    and ``multiple`` for an empty batch (so B = 0 needs no compile of its own)."""
+    and ``multiple`` for an empty batch (so B = 0 needs no compile of its own).
+
+    Args:
+        batch_size: the number of real examples, B >= 0.
+        multiple: the bucket granularity m >= 1: a step compiles once per multiple of m.
+
+    Returns:
+        The smallest multiple of ``multiple`` that is >= ``batch_size`` and >= ``multiple``.
+
+    Raises:
+        ValueError: ``batch_size < 0`` or ``multiple < 1``.
+    """
     if multiple < 1 or batch_size < 0:
         raise ValueError(f"bucket_size: need batch_size >= 0 and multiple >= 1, got {batch_size} and {multiple}")
     return max(1, -(-batch_size // multiple)) * multiple
@@ -41,7 +52,23 @@ def bucket_size(batch_size: int, multiple: int) -> int:
 
 def pad_batch(*tensors: torch.Tensor, multiple: int) -> tuple[torch.Tensor, ...]:
     """``(*padded, mask)``: each tensor zero-padded along dimension 0 to ``bucket_size(B, multiple)``,
-    and ``mask`` [padded B] bool, True for the B real examples (the first B rows)."""
+    and ``mask`` [padded B] bool, True for the B real examples (the first B rows).
+
+    The step zeroes the padded examples' clip coefficients with ``mask``; keep the real rows of
+    what it returns per example with ``norms[mask]``.
+
+    Args:
+        *tensors: the batch's tensors (inputs, targets, ...), all with the same size B along
+            dimension 0.
+        multiple: the bucket granularity m >= 1 (keyword only).
+
+    Returns:
+        A tuple: each tensor padded with zeros (token id 0 for integer tensors) to
+        ``bucket_size(B, multiple)`` rows, then the bool mask, on the first tensor's device.
+
+    Raises:
+        ValueError: no tensor is given, the tensors disagree on B, or ``multiple < 1``.
+    """
     if not tensors:
         raise ValueError("pad_batch: give at least one tensor (the batch's inputs, targets, ...)")
     batch = tensors[0].shape[0]

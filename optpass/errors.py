@@ -31,7 +31,14 @@ class OptpassError(ShortenTraceback):
     that Dynamo and Inductor let through from a backend unwrapped: raised while ``torch.compile``
     compiles the step, it reaches the caller as itself (``except optpass.OptpassError`` catches
     it), not as ``BackendCompilerFailed``. Dynamo appends its stack and bug-report footer to the
-    exception's ``args`` on the way out; the message stays optpass's own (``__str__``)."""
+    exception's ``args`` on the way out; the message stays optpass's own (``__str__``).
+
+    Args:
+        *args: the message first (what was refused, where, and what to do instead).
+
+    Attributes:
+        message: the message, as ``str(error)`` gives it ("" when raised without one).
+    """
 
     def __init__(self, *args) -> None:
         super().__init__(*args, first_useful_frame=None)

@@ -47,16 +47,46 @@ _KIND_TEXT = {
 
 @dataclasses.dataclass
 class Explanation:
+    """What ``optpass.explain`` found: one report per graph Dynamo compiled, in compile order.
+
+    ``print()`` it for a person; ``to_dict()`` gives the same content as plain data for tests
+    and tools.
+
+    Attributes:
+        graphs: a ``GraphReport`` per compiled graph: its kind (``GraphKind``), the parameters,
+            gradients and optimizer state captured, each pass's outcome and, where estimated,
+            the peak memory before and after the passes.
+    """
+
     graphs: list[GraphReport]
 
     @property
     def warnings(self) -> list[str]:
+        """The warnings a real compile would give: one per graph whose backward() ran outside it.
+
+        Returns:
+            One message per ``GraphKind.FORWARD`` graph, with the line that broke the graph and
+            the fix.
+        """
         return [backward_outside_message(g.captured) for g in self.graphs if g.kind is GraphKind.FORWARD]
 
     def of_kind(self, kind: GraphKind) -> list[GraphReport]:
+        """The reports of the graphs of one kind.
+
+        Args:
+            kind: the ``GraphKind`` to keep (e.g. ``GraphKind.STEP``).
+
+        Returns:
+            The reports of ``graphs`` whose kind is ``kind``, in compile order.
+        """
         return [g for g in self.graphs if g.kind is kind]
 
     def to_dict(self) -> dict[str, Any]:
+        """The explanation as plain data (for tests and tools).
+
+        Returns:
+            ``{"graphs": [GraphReport.to_dict(), ...], "warnings": [str, ...]}``.
+        """
         return {"graphs": [g.to_dict() for g in self.graphs], "warnings": self.warnings}
 
     def __str__(self) -> str:
@@ -69,7 +99,29 @@ class Explanation:
 
 
 def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs: Any) -> Explanation:
-    """Capture ``step_fn(*args, **kwargs)`` with optpass and report, without running its math."""
+    """Capture ``step_fn(*args, **kwargs)`` with optpass and report, without running its math.
+
+    The step is compiled with optpass's capture and pass pipeline, traced to aten and analysed;
+    every compiled graph returns zeros. Dynamo's caches are reset before and after. Parameters,
+    gradients, optimizer state, LR schedulers, GradScalers, optpass's own records and the random
+    number generators are left exactly as they were, also after a refusal (see the module
+    docstring for what is recorded and put back).
+
+    Args:
+        step_fn: the training step, as it would be given to ``torch.compile``.
+        *args: the positional arguments to call it with (e.g. a batch).
+        options: the options the step would be compiled with (as ``torch.compile``'s
+            ``options=``); None: every option at its default. See ``optpass.options_help()``.
+        **kwargs: the keyword arguments to call it with.
+
+    Returns:
+        An ``Explanation``: one ``GraphReport`` per captured graph, with the legality verdict on
+        each rewrite the options ask for (a refused rewrite is reported there, not raised).
+
+    Raises:
+        OptpassError: the options are invalid (raised before anything is traced), or the step is
+            refused while it is captured (e.g. a parameter with a post-accumulate-grad hook).
+    """
     Options.from_user(dict(options) if options else None)  # a bad option fails here, not mid-trace
     untouched = Untouched()
     torch._dynamo.reset()

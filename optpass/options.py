@@ -338,6 +338,14 @@ def did_you_mean(given: Any, known) -> str:
 
 
 def options_help() -> str:
+    """Every option with what it does and its default, for a person to read.
+
+    The same options as the README's options table (``options_table()``). Options that are not a
+    dict are refused with this text; the refusal of an unknown option points at it.
+
+    Returns:
+        "Valid optpass options:" and one line per option: its name, what it does and its default.
+    """
     lines = ["Valid optpass options:"]
     for o in OPTIONS:
         lines.append(f"  {o.name:<20} {o.help} (default {o.default!r})")

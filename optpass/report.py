@@ -23,6 +23,31 @@ _KEEP_GRAPHS = [False]
 
 @dataclasses.dataclass
 class GraphReport:
+    """What optpass captured from one Dynamo graph and what its passes did to it.
+
+    Attributes:
+        captured: the ``CapturedGraph``: the graph's kind and the role of each value
+            (parameters, gradients, optimizer state); outside ``keep_graphs()`` a light copy
+            without tensors.
+        lowering: how the graph is lowered: the ``lower`` option (``"inductor"`` or ``"eager"``),
+            or explain's ``"explain (aten graph, not run)"``.
+        passes: one ``PassOutcome`` per pass that ran: applied, skipped or refused, and why.
+        regions: the number of aten nodes per region (forward, backward, gradient_transform,
+            update).
+        memory_before: the ``MemoryEstimate`` of the aten graph before the passes (only inside
+            ``keep_graphs()``; else None).
+        memory_after: the ``MemoryEstimate`` after the passes (only inside ``keep_graphs()``).
+        aten_ops_before: aten ops before the passes (None: not traced to aten).
+        aten_ops_after: aten ops after the passes.
+        graph_before: a copy of the aten graph before the passes (only inside ``keep_graphs()``).
+        graph_after: a copy of the aten graph after the passes (only inside ``keep_graphs()``).
+        gradient_bytes: bytes of all gradients that become ``p.grad``, before the passes (only
+            inside ``keep_graphs()``).
+        largest_gradient_bytes: bytes of the largest of those gradients (idem).
+        error: a failure message; None when none was recorded.
+        legality: explain's verdict on each rewrite the options ask for (legal, or refused and why).
+    """
+
     captured: CapturedGraph
     lowering: str
     passes: list[Any] = dataclasses.field(default_factory=list)      # PassOutcome
@@ -40,9 +65,17 @@ class GraphReport:
 
     @property
     def kind(self) -> GraphKind:
+        """The graph's ``GraphKind`` (step, forward, model, update or other)."""
         return self.captured.kind
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (names, counts and estimates; no graphs or tensors).
+
+        Returns:
+            A dict of str keys: the kind, compile id, lowering, graph-break reason and lines,
+            op counts, regions, parameter and gradient names, the passes' outcomes, the memory
+            estimates, the error and the legality verdict.
+        """
         c = self.captured
         return {
             "kind": c.kind.value,
@@ -92,7 +125,15 @@ def record(report: GraphReport) -> GraphReport:
 
 
 def recent_reports() -> list[GraphReport]:
-    """The reports of the most recent compiles, oldest first."""
+    """The reports of the most recent compiles, oldest first.
+
+    Every backend call appends one report to a process-wide log of the last 64. Outside
+    ``keep_graphs()`` a report holds names, counts and estimates only (no graphs, no tensors),
+    so normal compiles keep no model memory alive.
+
+    Returns:
+        A new list of ``GraphReport``, oldest first.
+    """
     return list(_LOG)
 
 
@@ -106,7 +147,14 @@ def keeping_graphs() -> bool:
 
 @contextlib.contextmanager
 def keep_graphs() -> Iterator[None]:
-    """Keep copies of each graph before and after the passes (for explain and tests)."""
+    """Keep copies of each graph before and after the passes (for explain and tests).
+
+    Inside the ``with`` block every report records ``graph_before`` and ``graph_after`` and keeps
+    its captured tensors; the previous setting is restored on exit (blocks nest).
+
+    Yields:
+        None (``with optpass.keep_graphs():`` binds nothing).
+    """
     old = _KEEP_GRAPHS[0]
     _KEEP_GRAPHS[0] = True
     try:

@@ -42,6 +42,27 @@ REGION_KEY = "optpass_region"
 
 @dataclasses.dataclass
 class StepGraph:
+    """An aten graph of a training step with the role of each value; what passes rewrite.
+
+    Made by ``StepGraph.build`` from an aten graph and the roles ``capture`` found at the Dynamo
+    level (see the module docstring).
+
+    Attributes:
+        graph: the aten graph, rewritten in place by the passes.
+        captured: the ``CapturedGraph`` of the Dynamo graph it was traced from.
+        param_nodes: parameter name -> the placeholder holding it.
+        gradient_nodes: parameter name -> the value in the output slot that becomes its ``.grad``.
+        gradient_slots: parameter name -> the position of its gradient in the output tuple.
+        gradient_inputs: (update graphs) parameter name -> the placeholder holding its ``.grad``.
+        state_nodes: (update graphs) the optimizer-state placeholders.
+        context: what the backend hands to passes for this compile (e.g. the harvested
+            optimizer update).
+        notes: what passes want a reader to know beyond applied/skipped (explain shows them).
+        skip_update: a 0-d bool value: when true, every update write keeps its target's old
+            value (loss scaling's found_inf: the step is skipped); set by the loss_scaling pass,
+            read by ``write_update``. None: no guard.
+    """
+
     graph: torch.fx.Graph
     captured: CapturedGraph
     param_nodes: dict[str, torch.fx.Node]
@@ -59,14 +80,21 @@ class StepGraph:
 
     @property
     def kind(self) -> GraphKind:
+        """The ``GraphKind`` of the captured Dynamo graph."""
         return self.captured.kind
 
     @functools.cached_property
     def fake_mode(self):
+        """The FakeTensorMode of the graph's placeholder values (``meta['val']``)."""
         return detect_fake_mode([n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
 
     def set_fake_value(self, node: torch.fx.Node) -> None:
-        """Later Inductor passes read meta['val'] of every node (docs/design.md §20): run the op on fake inputs."""
+        """Later Inductor passes read meta['val'] of every node (docs/design.md §20): run the op on fake inputs.
+
+        Args:
+            node: a call_function node whose arguments carry ``meta['val']``; its own
+                ``meta['val']`` is set.
+        """
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = node.target(*args, **kwargs)
@@ -77,7 +105,20 @@ class StepGraph:
         A symbolic size among the arguments (a SymInt read off a fake value's shape, e.g. a
         batch size Dynamo made dynamic) becomes a graph value (``size_arg``): a SymInt object
         in an FX argument would print as its symbol (``s17``), which the graph's code does not
-        define."""
+        define.
+
+        Args:
+            target: the op to call (e.g. ``torch.ops.aten.mul.Tensor``).
+            *args: its positional arguments (nodes, constants or symbolic sizes).
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The new node.
+
+        Raises:
+            OptpassError: a symbolic size among the arguments is not a value of this graph (see
+                ``size_arg``).
+        """
         args, kwargs = torch.fx.node.map_aggregate(
             (args, kwargs), lambda a: self.size_arg(a) if isinstance(a, torch.SymInt) else a)
         node = self.graph.call_function(target, args, kwargs)
@@ -87,7 +128,15 @@ class StepGraph:
     def write_update(self, target: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
         """An update's in-place write ``copy_(target, value)`` at the insert point; with a
         ``skip_update`` guard, ``copy_(target, where(skip, target, value))``: a skipped step leaves
-        parameters, masters and optimizer state (``step`` counters included) as they were."""
+        parameters, masters and optimizer state (``step`` counters included) as they were.
+
+        Args:
+            target: the node written in place (a parameter, master or optimizer-state value).
+            value: the node holding its new value.
+
+        Returns:
+            The ``copy_`` node.
+        """
         if self.skip_update is not None:
             value = self.emit(torch.ops.aten.where.self, self.skip_update, target, value)
         return self.emit(torch.ops.aten.copy_.default, target, value)
@@ -95,7 +144,19 @@ class StepGraph:
     def size_arg(self, size):
         """``size`` as an FX argument: an int as is; a symbolic size as a node computing it from the
         graph's inputs (a SymInt placeholder, or ``sym_size`` of an input tensor), with
-        ``operator.mul`` / ``operator.add`` for products and sums of them (``B·T``, ``B·vocab``)."""
+        ``operator.mul`` / ``operator.add`` for products and sums of them (``B·T``, ``B·vocab``).
+
+        Args:
+            size: an int or a ``torch.SymInt``.
+
+        Returns:
+            ``size`` itself (an int, or a SymInt that is a constant, as an int), or the node that
+            computes it.
+
+        Raises:
+            OptpassError: no input of the graph has the symbolic size, nor is it a product or sum
+                of the inputs' sizes.
+        """
         if not isinstance(size, torch.SymInt):
             return size
         constant = size.node.maybe_as_int()
@@ -141,7 +202,17 @@ class StepGraph:
         reads nothing of `nodes` (`nodes` are all that leads from the forward to what is copied), and
         moving a pure value earlier changes nothing it computes; a node with a side effect or a
         random draw is not moved but refused (`needed_by`: what needs the copy, and the options
-        that ask for it)."""
+        that ask for it).
+
+        Args:
+            nodes: the nodes that will be copied.
+            at: the node before which the copies will be inserted.
+            needed_by: what needs the copy, and the options that ask for it (for the refusal).
+
+        Raises:
+            OptpassError: a value `nodes` read comes only later in the graph and cannot move
+                earlier (it depends on what is copied, has a side effect or draws random numbers).
+        """
         position = {n: i for i, n in enumerate(self.graph.nodes)}
         limit = position[at]
         late: set[torch.fx.Node] = set()
@@ -165,10 +236,21 @@ class StepGraph:
 
     @property
     def output_node(self) -> torch.fx.Node:
+        """The graph's output node."""
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
 
     @staticmethod
     def build(graph: torch.fx.Graph, captured: CapturedGraph, context: dict | None = None) -> "StepGraph":
+        """Join an aten graph's AOTAutograd descriptors with the roles ``capture`` found.
+
+        Args:
+            graph: the aten graph (AOTAutograd's, or Inductor's post-grad graph).
+            captured: the ``CapturedGraph`` of the Dynamo graph it was traced from.
+            context: what the backend hands to passes for this compile (copied); None: nothing.
+
+        Returns:
+            The ``StepGraph``, with every node's region annotated.
+        """
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         by_input_index, by_attr = {}, {}
         for node in placeholders:
@@ -201,6 +283,12 @@ class StepGraph:
     # ------------------------------------------------------------ regions
 
     def annotate_regions(self) -> None:
+        """Tag every node with its region (``meta["optpass_region"]``), from the dataflow.
+
+        Backward: what the traced ``autograd.grad`` produced (and Dynamo's copy into ``p.grad``);
+        gradient_transform: an unmarked node that depends on a backward node; update: a node a
+        pass tagged so, or every node of an update graph; everything else is forward.
+        """
         after_backward: set[torch.fx.Node] = set()
         for node in self.graph.nodes:
             if node.op == "placeholder":
@@ -220,9 +308,16 @@ class StepGraph:
             node.meta[REGION_KEY] = region
 
     def region_of(self, node: torch.fx.Node) -> str:
+        """The region of `node`: "forward" (also for an untagged node), "backward",
+        "gradient_transform", "update", "input" or "output"."""
         return node.meta.get(REGION_KEY, FORWARD)
 
     def region_sizes(self) -> dict[str, int]:
+        """The number of nodes per region, placeholders and the output left out.
+
+        Returns:
+            region -> node count, for the regions that have nodes.
+        """
         sizes: dict[str, int] = {}
         for node in self.graph.nodes:
             if node.op not in ("placeholder", "output"):
@@ -230,6 +325,14 @@ class StepGraph:
         return sizes
 
     def nodes_in(self, region: str) -> Iterable[torch.fx.Node]:
+        """The nodes of one region, in graph order.
+
+        Args:
+            region: "forward", "backward", "gradient_transform", "update", "input" or "output".
+
+        Returns:
+            A generator over the graph's nodes in that region.
+        """
         return (n for n in self.graph.nodes if self.region_of(n) == region)
 
     def gradient_buffer_names(self) -> set[str]:
@@ -238,6 +341,9 @@ class StepGraph:
         Names, not nodes: they survive graph copies and rewrites, so the memory
         estimate can count the same gradients before and after a pass. A gradient
         materialized by Dynamo's `empty_like(p).copy_(g)` counts with its source `g`.
+
+        Returns:
+            The node names.
         """
         names = set()
         for node in self.gradient_nodes.values():

@@ -50,7 +50,23 @@ _DTYPE_ABBREVIATIONS = {
 
 
 def graph_text(graph_or_gm: torch.fx.Graph | torch.fx.GraphModule, *, shapes: bool = True) -> str:
-    """One normalized line per node; stable across runs and FX renaming."""
+    """One normalized line per node; stable across runs and FX renaming.
+
+    Placeholders are ``in0, in1, ...``; every other node is its op's short name with a counter per
+    short name (``mm_0, relu_0, mm_1``), so inserting a node renames only later nodes of the same
+    op. A line reads ``mm_1: f32[8, 4] = aten.mm(t_0, in2)`` (see the module docstring).
+
+    Args:
+        graph_or_gm: the graph, or a GraphModule whose ``graph`` is printed.
+        shapes: print each value's type (dtype and shape) from ``meta['val']`` or Dynamo's
+            ``meta['example_value']``; False leaves it out.
+
+    Returns:
+        The lines, joined with newlines.
+
+    Raises:
+        TypeError: ``graph_or_gm`` is neither a ``torch.fx.Graph`` nor a ``GraphModule``.
+    """
     graph = _as_graph(graph_or_gm)
     names = _normalized_names(graph)
     return "\n".join(_node_line(node, names, shapes) for node in graph.nodes)
@@ -63,7 +79,20 @@ def graph_diff(
     context: int = 3,
     shapes: bool = True,
 ) -> str:
-    """Unified diff of the two graphs' ``graph_text``; "" when they print the same."""
+    """Unified diff of the two graphs' ``graph_text``; "" when they print the same.
+
+    Args:
+        before: the graph (or GraphModule) before, labelled ``before`` in the diff.
+        after: the graph (or GraphModule) after, labelled ``after``.
+        context: lines of context around each change (as ``difflib.unified_diff``'s ``n``).
+        shapes: as ``graph_text``'s: print each value's type.
+
+    Returns:
+        The unified diff, one line per line; "" when the two texts are the same.
+
+    Raises:
+        TypeError: ``before`` or ``after`` is neither a ``torch.fx.Graph`` nor a ``GraphModule``.
+    """
     lines = difflib.unified_diff(
         graph_text(before, shapes=shapes).splitlines(),
         graph_text(after, shapes=shapes).splitlines(),

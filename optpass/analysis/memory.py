@@ -77,6 +77,16 @@ Tagger = Callable[[torch.fx.Node], "str | None"]
 
 @dataclasses.dataclass
 class MemoryEstimate:
+    """The liveness-based peak of an FX graph (``estimate_peak_memory``); ``print()`` it.
+
+    Attributes:
+        peak_bytes: the bytes live at the peak.
+        peak_node: the name of the first node at which the peak is reached ("" for an empty graph).
+        live_at_peak: the buffers live at the peak, largest first, as (allocating node, bytes, tag).
+        timeline: (node name, bytes live right after it runs) for every node, in graph order.
+        bytes_by_tag_at_peak: the bytes live at the peak per tag (untagged buffers under "other").
+    """
+
     peak_bytes: int
     peak_node: str
     live_at_peak: list[tuple[str, int, str | None]]  # (allocating node, bytes, tag), largest first
@@ -84,6 +94,14 @@ class MemoryEstimate:
     bytes_by_tag_at_peak: dict[str, int]
 
     def largest(self, k: int = 5) -> list[tuple[str, int, str | None]]:
+        """The largest buffers live at the peak.
+
+        Args:
+            k: how many.
+
+        Returns:
+            Up to ``k`` (allocating node, bytes, tag) tuples, largest first.
+        """
         return self.live_at_peak[:k]
 
     def __str__(self) -> str:
@@ -110,7 +128,22 @@ def estimate_peak_memory(
     count_inputs: bool = True,
     tag: Tagger | None = None,
 ) -> MemoryEstimate:
-    """Liveness-based peak of the bytes the graph holds; see the module docstring."""
+    """Liveness-based peak of the bytes the graph holds; see the module docstring.
+
+    The graph is run in order on paper: each node allocates new buffers or aliases existing ones,
+    and a buffer is freed right after the last node that uses it, directly or through an alias.
+
+    Args:
+        graph_or_gm: the graph, or a GraphModule whose ``graph`` is estimated.
+        count_inputs: count placeholders and ``get_attr`` tensors (which live for the whole graph);
+            False weighs them, and anything aliasing them, as nothing.
+        tag: a function from a node to a tag (or None) for the buffers it allocates; the estimate
+            sums the bytes live at the peak per tag. None: no tags.
+
+    Returns:
+        A ``MemoryEstimate``: the peak, the node where it is reached, the buffers live there, and
+        the whole timeline.
+    """
     graph = graph_or_gm.graph if isinstance(graph_or_gm, torch.fx.GraphModule) else graph_or_gm
     nodes = list(graph.nodes)
     if not nodes:
@@ -387,7 +420,13 @@ def _hint(size: Any) -> int:
 
 @dataclasses.dataclass
 class MeasuredPeak:
-    """Tensor bytes allocated on CPU while a block ran, relative to the bytes live at its start."""
+    """Tensor bytes allocated on CPU while a block ran, relative to the bytes live at its start.
+
+    Attributes:
+        peak_bytes: the highest point: what decides whether the block fits.
+        end_bytes: what the block left allocated (negative: it freed more).
+        allocations: the number of CPU memory events (allocations and frees) the profiler recorded.
+    """
 
     peak_bytes: int = 0          # the highest point: what decides whether the block fits
     end_bytes: int = 0           # what the block left allocated (negative: it freed more)
@@ -402,6 +441,14 @@ class measure_tensor_peak:
     from torch.profiler's memory events, so it does not move with glibc's heap
     or with what a compile allocates as Python objects (RSS does). Profiling
     slows the block down: for tests and reports, not for timing.
+
+    Returns:
+        ``with ... as m`` binds a ``MeasuredPeak``; its fields are filled in when the block exits.
+
+    Example:
+        with optpass.measure_tensor_peak() as m:
+            step(x, y)
+        print(m.peak_bytes)
     """
 
     def __enter__(self) -> MeasuredPeak:

@@ -47,6 +47,19 @@ log = logging.getLogger("optpass")
 
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
+    """One pass of the pipeline (``optpass.PASSES`` lists them in the order they run).
+
+    Attributes:
+        name: the name that ``options={"passes": [...]}`` and ``"disable_passes"`` use.
+        run: ``(StepGraph, Options) -> str | None``: rewrites ``step.graph`` in place and returns
+            None, or the one-line reason it did not apply; raises ``OptpassError`` on an illegal
+            program.
+        applies_to: the ``GraphKind`` values it runs on (others are skipped).
+        on_by_default: runs unless disabled (False: only when an option asks for it).
+        changes_numerics: its result may differ from the unrewritten step's beyond rounding.
+        asked_by: the option that asks for the pass ("": it runs unless disabled).
+    """
+
     name: str
     run: Callable  # (StepGraph, Options) -> str | None (reason it did not apply)
     applies_to: tuple[GraphKind, ...]
@@ -80,8 +93,19 @@ PASSES: tuple[GraphPass, ...] = (
 
 @dataclasses.dataclass
 class PassOutcome:
+    """What one pass did to one graph (``GraphReport.passes``; ``str()`` it for one line).
+
+    Attributes:
+        name: the pass's name.
+        status: "applied", or "skipped" (a pass that refuses the program raises instead).
+        reason: why it was skipped (None when applied).
+        ops_before: call nodes in the graph before the pass.
+        ops_after: call nodes after it.
+        notes: what the pass wants a reader to know beyond applied/skipped.
+    """
+
     name: str
-    status: str                 # "applied" | "skipped" | "refused"
+    status: str                 # "applied" | "skipped"
     reason: str | None
     ops_before: int
     ops_after: int
@@ -89,6 +113,7 @@ class PassOutcome:
 
     @property
     def op_delta(self) -> int:
+        """``ops_after - ops_before``."""
         return self.ops_after - self.ops_before
 
     def __str__(self) -> str:

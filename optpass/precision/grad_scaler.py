@@ -71,7 +71,14 @@ def last_step_skipped(scaler: torch.amp.GradScaler) -> bool:
 
 def skipped_steps(scaler: torch.amp.GradScaler) -> int:
     """How many steps compiled with ``options={"grad_scaler": scaler}`` were skipped (inf/nan found)
-    in this process. Reading it waits for the step (``.item()``)."""
+    in this process. Reading it waits for the step (``.item()``).
+
+    Args:
+        scaler: the ``torch.amp.GradScaler`` given as the ``grad_scaler`` option.
+
+    Returns:
+        The number of skipped steps (0 when no step has run with this scaler).
+    """
     skips = _SKIPS.get(scaler)
     return 0 if skips is None else int(skips.count.item())
 

@@ -340,7 +340,21 @@ def master_weights(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch
 
     The masters are the tensors the fused step updates (in place); the model's bf16/fp16
     parameters are their rounded copies. Available once a step compiled with
-    ``options={"optimizer": optimizer, "master_weights": torch.float32}`` has run."""
+    ``options={"optimizer": optimizer, "master_weights": torch.float32}`` has run. State that
+    ``opt.load_state_dict`` put into the user's optimizer is moved into the masters first.
+
+    Args:
+        optimizer: the user's optimizer, as given in the step's options.
+
+    Returns:
+        ``{parameter: master}``, in the optimizer's parameter order.
+
+    Raises:
+        OptpassError: no step compiled with master_weights has run for this optimizer yet; its
+            masters are sharded over the ranks of ``data_parallel="zero1"`` (the message says
+            where they are); or a loaded checkpoint has an fp32 master for a parameter that is
+            fp32 here (its own master).
+    """
     store = _STORES.get(optimizer)
     if store is None:
         _refuse_sharded_masters(optimizer)

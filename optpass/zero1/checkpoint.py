@@ -55,7 +55,25 @@ def _sharded(optimizer) -> ShardedOptimizer:
 
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
-    """This rank's part of the optimizer state, in the layout-free form DCP saves."""
+    """This rank's part of the optimizer state, in the layout-free form DCP saves.
+
+    For parameter ``i`` (optimizer order) and state key ``k``: a 1-D ShardedTensor of
+    ``p.numel()`` elements whose local shard is a view of this rank's piece of the state; a
+    per-parameter scalar (Adam's ``step``) as it is; with master_weights the fp32 master as one
+    more key, ``"master"``.
+
+    Args:
+        optimizer: the user's optimizer, sharded by a step compiled with
+            ``data_parallel="zero1"``.
+
+    Returns:
+        ``{"state": {str(i): {key: value}}, "param_groups": [...]}``, the groups as the user's
+        ``param_groups`` with parameter indices.
+
+    Raises:
+        OptpassError: the optimizer is not sharded (yet), or a state entry is neither elementwise
+            (the shard's shape) nor a scalar.
+    """
     sharded = _sharded(optimizer)
     shard_optimizer = sharded.shard_optimizer
     state: dict[str, dict] = {}
@@ -107,7 +125,21 @@ def _param_groups(optimizer) -> list[dict]:
 
 
 def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:
-    """Save this rank's optimizer shard (and the model, if given) with DCP; call on every rank."""
+    """Save this rank's optimizer shard (and the model, if given) with DCP; call on every rank.
+
+    The state is stored in a layout-free form (``optimizer_state_dict``), so the checkpoint loads
+    on any number of ranks.
+
+    Args:
+        checkpoint_id: where to save (DCP's ``checkpoint_id``, e.g. a directory path).
+        optimizer: the user's optimizer, sharded by a step compiled with
+            ``data_parallel="zero1"``.
+        model: also save ``model.state_dict()`` under ``"model"``; None: the optimizer only.
+
+    Raises:
+        OptpassError: the optimizer is not sharded (yet), or a state entry is neither elementwise
+            nor a scalar.
+    """
     with _quiet():
         state = {OPTIMIZER_KEY: optimizer_state_dict(optimizer)}
         if model is not None:
@@ -122,7 +154,25 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
 
     Call it before (or between) steps of a step compiled with the same
     process_group / partition / bucket_bytes / master_weights options; the next
-    step continues exactly where the saved run stopped."""
+    step continues exactly where the saved run stopped. Called before the first step, it shards
+    the optimizer with those options. A checkpoint with fp32 masters restores them exactly; one
+    without re-reads the masters from the parameters before the next step.
+
+    Args:
+        checkpoint_id: where the checkpoint was saved (DCP's ``checkpoint_id``).
+        optimizer: the user's optimizer (sharded already, or sharded here).
+        model: also load the model's state from ``"model"``; None: the optimizer only.
+        process_group: the step's ``process_group`` option (None: the default WORLD group).
+        partition: the step's ``partition`` option (``"even"`` or ``"greedy"``).
+        bucket_bytes: the step's ``bucket_bytes`` option (None: its default).
+        master_weights: the step's ``master_weights`` option (``torch.float32``, or None).
+
+    Raises:
+        OptpassError: torch.distributed is not initialized; the optimizer is already sharded
+            with other options; it cannot be sharded (no parameter that requires grad, an update
+            that is not elementwise, a bad partition, the ranks disagree); the checkpoint holds
+            no optimizer state, or a number of param groups other than the optimizer's.
+    """
     sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
                                                           master_dtype=master_weights)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata

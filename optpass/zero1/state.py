@@ -91,7 +91,26 @@ class ShardedOptimizer:
     With ``master_dtype`` (options master_weights) the chunk of a bf16/fp16 bucket is this
     rank's fp32 master of those elements (Megatron's distributed optimizer): it persists
     between steps, the graph updates it in place and all-gathers its rounding. Without it
-    (or for an fp32 bucket) the chunk is a stand-in the graph fills from the parameters."""
+    (or for an fp32 bucket) the chunk is a stand-in the graph fills from the parameters.
+
+    Made by the first compile of a step with ``data_parallel="zero1"`` (or by
+    ``load_sharded_checkpoint``); read it with ``optpass.zero1.sharded_state(opt)``.
+
+    Attributes:
+        optimizer: the user's optimizer (it never steps and holds no state).
+        pg: the process group, with this rank and the world size.
+        partition: the ``partition`` option.
+        bucket_bytes: the ``bucket_bytes`` option.
+        master_dtype: the ``master_weights`` option (None: no masters).
+        params: (param group index, parameter) for every trainable parameter, in optimizer order.
+        layout: the buckets and each rank's segments of them.
+        shards: bucket index -> this rank's flat chunk of it, for the buckets it owns elements of.
+        shard_optimizer: a torch.optim optimizer of the user's class and hyper-parameters over
+            the shards (None when this rank owns no elements); its state is 1/N of the
+            unsharded state.
+        replicas: the frozen parameters and buffers rank 0 hands to every rank (``Replicas``;
+            None until the first compiled step).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, pg: ProcessGroupInfo, partition: str,
                  bucket_bytes: int | None, master_dtype: torch.dtype | None = None,
@@ -118,6 +137,7 @@ class ShardedOptimizer:
 
     @property
     def rank(self) -> int:
+        """This rank in the process group."""
         return self.pg.rank
 
     def shard_name(self, bucket: Bucket) -> str:
@@ -152,6 +172,7 @@ class ShardedOptimizer:
             mine["lr"] = self.optimizer.param_groups[g]["lr"]
 
     def state_bytes(self) -> int:
+        """Bytes of optimizer-state tensors on this rank (the shard optimizer's; 0 without one)."""
         if self.shard_optimizer is None:
             return 0
         return sum(t.numel() * t.element_size() for state in self.shard_optimizer.state.values()
@@ -171,6 +192,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
+        """Re-read the masters marked stale from the parameters (nothing to do when none is)."""
         if not self._stale_masters:              # every step asks: usually nothing to do
             return
         for bucket in self.layout.buckets:
@@ -183,7 +205,11 @@ class ShardedOptimizer:
 
     def master_pieces(self) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
         """This rank's fp32 masters: parameter index (optimizer order) -> [(start, stop, view)],
-        elements [start, stop) of the flattened parameter; the views are the masters the step updates."""
+        elements [start, stop) of the flattened parameter; the views are the masters the step updates.
+
+        Returns:
+            parameter index -> [(start, stop, fp32 view)]; empty without master_weights.
+        """
         self.refresh_masters()
         pieces: dict[int, list] = {}
         for bucket in self.layout.buckets:
@@ -335,7 +361,19 @@ def refuse_unsharded_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
 
 
 def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-    """The ZeRO-1 state of `optimizer` on this rank (after the first compile of its step)."""
+    """The ZeRO-1 state of `optimizer` on this rank (after the first compile of its step).
+
+    Args:
+        optimizer: the user's optimizer, as given in the step's options.
+
+    Returns:
+        This rank's ``ShardedOptimizer``: the layout, the shard optimizer, ``state_bytes()``;
+        with master_weights its fp32 masters (``master_pieces()``, ``master_bytes()``).
+
+    Raises:
+        OptpassError: the optimizer is not sharded (yet): its state is made when a step compiled
+            with ``data_parallel="zero1"`` first runs (or by ``load_sharded_checkpoint``).
+    """
     sharded = _SHARDED.get(optimizer)
     if sharded is None:
         raise OptpassError("this optimizer is not sharded (yet): its state is created when a step "
