@@ -93,6 +93,31 @@ def spread(module: nn.Module) -> float:
     return (hi - lo).abs().max().item()
 
 
+def twins(make_model, seed: int, lr: float):
+    """Two equal models (``seed`` may differ per rank), each with SGD + momentum over its trainable
+    parameters: one for optpass, one for DDP."""
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        model = make_model()
+        pairs.append((model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                             lr=lr, momentum=0.9)))
+    return pairs
+
+
+def against_ddp(make_model, seed: int, lr: float) -> dict:
+    """zero1 (update after backward, and in backward) beside DDP, each from fresh twins."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for in_backward in (False, True):
+        (model, opt), (reference, ref_opt) = twins(make_model, seed, lr)
+        torch._dynamo.reset()
+        optpass_run(model, opt, F.mse_loss, rank, world, optimizer_in_backward=in_backward)
+        ddp_run(reference, ref_opt, F.mse_loss, rank, world)
+        results[in_backward] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
+    return results
+
+
 # ------------------------------------------------------------------ frozen parameters and buffers
 
 class WithFrozenAndBuffer(nn.Module):
@@ -109,19 +134,7 @@ class WithFrozenAndBuffer(nn.Module):
 
 
 def frozen_and_buffers(rank, world):
-    results = {}
-    for in_backward in (False, True):
-        torch.manual_seed(rank)                 # DDP users rely on its broadcast from rank 0
-        model = WithFrozenAndBuffer()
-        torch.manual_seed(rank)
-        reference = WithFrozenAndBuffer()
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-        ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-        torch._dynamo.reset()
-        optpass_run(model, opt, F.mse_loss, rank, world, optimizer_in_backward=in_backward)
-        ddp_run(reference, ref_opt, F.mse_loss, rank, world)
-        results[in_backward] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
-    return results
+    return against_ddp(WithFrozenAndBuffer, seed=rank, lr=0.1)   # DDP users rely on its broadcast
 
 
 # ------------------------------------------------------------------ BatchNorm in train mode
@@ -131,31 +144,14 @@ def batchnorm_model():
 
 
 def batchnorm(rank, world):
-    results = {}
-    for in_backward in (False, True):
-        torch.manual_seed(0)
-        model = batchnorm_model()
-        torch.manual_seed(0)
-        reference = batchnorm_model()
-        # SGD: Adam would blow the rounding noise of the first Linear's bias (its gradient is 0
-        # before a BatchNorm) up to lr per step on both sides
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-        torch._dynamo.reset()
-        optpass_run(model, opt, F.mse_loss, rank, world, optimizer_in_backward=in_backward)
-        ddp_run(reference, ref_opt, F.mse_loss, rank, world)       # broadcast_buffers=True: DDP's default
-        results[in_backward] = {"vs_ddp": worst(model, reference), "spread": spread(model)}
-    return results
+    # SGD: Adam would blow the rounding noise of the first Linear's bias (its gradient is 0 before a
+    # BatchNorm) up to lr per step on both sides. DDP's default broadcast_buffers=True.
+    return against_ddp(batchnorm_model, seed=0, lr=0.05)
 
 
 def batchnorm_accumulation(rank, world):
     """Two micro-steps per update: DDP broadcasts rank 0's buffers before every forward, no_sync too."""
-    torch.manual_seed(0)
-    model = batchnorm_model()
-    torch.manual_seed(0)
-    reference = batchnorm_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    (model, opt), (reference, ref_opt) = twins(batchnorm_model, seed=0, lr=0.05)
     options = {"optimizer": opt, "data_parallel": "zero1"}
 
     def micro_step(x, y):
