@@ -40,17 +40,18 @@ def measure(rank: int, world: int, reduction: str) -> list[dict]:
     import zero1_master_weights_workers as workers   # lazy: it imports torch, which the parent never does
 
     if reduction == "half":
-        import optpass.passes.shard_optimizer as shard_optimizer
+        # patched where they are looked up: the update in rewrite, the reduction's dtype in collectives
+        from optpass.passes.shard_optimizer import collectives, rewrite
 
-        emit_update = shard_optimizer._emit_update
+        emit_update = rewrite._emit_update
 
         def update_from_half_chunk(emit, plan, name, shard, gradient, inputs):
             if gradient.meta["val"].dtype != shard.meta["val"].dtype:     # cast after the reduction
-                gradient = emit(shard_optimizer.convert_element_type, gradient, shard.meta["val"].dtype)
+                gradient = emit(rewrite.convert_element_type, gradient, shard.meta["val"].dtype)
             return emit_update(emit, plan, name, shard, gradient, inputs)
 
-        shard_optimizer._emit_update = update_from_half_chunk
-        shard_optimizer._summed_by_owner = lambda sharded, bucket, flat: False   # reduced as it is
+        rewrite._emit_update = update_from_half_chunk
+        collectives._summed_by_owner = lambda sharded, bucket, flat: False   # reduced as it is
     return workers.parity(rank, world, CASES)
 
 

@@ -188,7 +188,7 @@ def test_an_eager_opt_step_with_gradients_is_refused(ranks):
 def test_in_backward_one_reduce_buffer_is_alive_at_a_time(ranks):
     """In Inductor's schedule of the sharded step (masters, optimizer_in_backward, one layer per
     bucket) each bucket's reduce buffer (the bf16 bucket its all-to-all sends) is freed by its update
-    before the next bucket's is allocated (shard_optimizer._before_bucket_allocation): one alive at a time. Before that schedule
+    before the next bucket's is allocated (shard_optimizer.placement._before_bucket_allocation): one alive at a time. Before that schedule
     the update came after the next bucket's last gradient, whose kernel Inductor fuses with the
     cast into the next buffer: two were alive."""
     found = ranks[2][0][6]
@@ -221,7 +221,7 @@ def test_in_backward_one_reduce_buffer_is_alive_at_a_time_with_several_layers_pe
     """Two layers per bucket: the bucket's first gradient in backward is a bias's sum, and Inductor
     fuses the copy into the bucket into that sum, writing (so allocating) the bucket's buffer there, long before
     the bucket's last gradient. The previous bucket's update goes before that first kernel
-    (shard_optimizer._before_bucket_allocation), so one buffer is alive at a time. Placed before the
+    (shard_optimizer.placement._before_bucket_allocation), so one buffer is alive at a time. Placed before the
     last gradient, as for one layer per bucket, two were alive (a transformer layer's norm weights do
     the same: bench/mixed_precision.py --model llama)."""
     found = ranks[2][0][7]
@@ -234,7 +234,7 @@ def test_in_backward_one_reduce_buffer_is_alive_at_a_time_when_a_bucket_border_s
     into one kernel, and with them their copies into the buckets, so with a bucket border between them that kernel
     allocated both buckets' buffers before the first bucket's reduce (2 alive at once, checked with the
     copy below removed). Each sum in a bucket of several parameters first goes through
-    ``optpass::materialized`` (shard_optimizer._flat_gradients): one buffer at a time."""
+    ``optpass::materialized`` (shard_optimizer.rewrite._flat_gradients): one buffer at a time."""
     found = ranks[2][0][8]
     assert found["buckets"] == [6, 6] and found["reduce_buffers"] == 2, found
     assert found["alive_at_once"] == 1, found

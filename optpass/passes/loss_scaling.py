@@ -42,7 +42,7 @@ checks its own gradients before they are reduced (unscaling by a power of two is
 exact, so before or after the average is the same number), and one all_reduce of
 the ranks' flags decides: an inf/nan on one rank reaches every rank's average, so
 every rank skips (Megatron all-reduces found_inf over the data-parallel group).
-The shard update's new value is guarded too (``shard_optimizer._emit_update``): a
+The shard update's new value is guarded too (``shard_optimizer.rewrite._emit_update``): a
 skipped step gathers the shards as they were.
 
 Gradient accumulation: a micro-step (no ``opt.step()``) compiled with the same options
