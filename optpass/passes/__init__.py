@@ -11,7 +11,7 @@ share is in ``_graph_utils.py``). The pipeline, in order:
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
 | shard_optimizer       | shard_optimizer/       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
-| per_sample_grad_norm  | per_sample_grad_norm.py  | yes           | no (rounding only) |
+| per_sample_grad_norm  | per_sample_grad_norm/  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
 Legality (``optpass/legality.py``) is not a pass: it proves a requested rewrite legal on the

@@ -1,0 +1,228 @@
+"""Pass per_sample_grad_norm: DP-SGD's per-sample Linear and Embedding weight gradients without
+[B, out, in] / [B, vocab, d] tensors.
+
+Precondition: a graph of a DP-SGD step written with ``torch.func.vmap(grad(...))``
+(docs/design.md §31) in which a weight's per-sample gradient P is used only (through
+views) by
+  * its per-sample squared norm: ``sum(pow(view(P, [B, -1]), 2), dim=1)`` -> [B], and
+  * the clipped sum ``einsum("b,b...->...", coef, P)``, lowered as a ``bmm`` that
+    contracts the batch dimension (or as ``sum(mul(P, coef), dim=b)``),
+where P is one of
+  * Linear weight: ``P = bmm(Gᵀ [B, out, T], X [B, T, in]) -> [B, out, in]`` (with T = 1,
+    Inductor's broadcast ``mul([B, out, 1], [B, 1, in])``);
+  * Embedding weight: vmap's batched embedding backward, ONE scatter of the tokens' output
+    gradients g [B, T, d] into [B·vocab, d] at rows ``x_bt + b·vocab`` (viewed [B, vocab, d]):
+    ``embedding_dense_backward(g, x + offsets, B·vocab, -1, False)`` in the aten graph,
+    ``_unsafe_masked_index_put_accumulate(zeros, mask, [x + offsets], g)`` in Inductor's graph
+    (its decomposition), offsets = ``arange(0, B·vocab, vocab)`` viewed [B, 1, ..].
+    ``nn.Embedding(padding_idx=p)`` shows up as a ``select_scatter`` of zeros into row p of
+    the [B, vocab, d] view; it is followed and kept exact.
+
+Rewrite, per such weight:
+  * Linear: the squared norm becomes ``optpass::per_sample_grad_sq_norm(X, G, "auto")``
+    (optpass/kernels): a fused Triton kernel on CUDA (direct, or ghost norm
+    <X Xᵀ, G Gᵀ> when 2T² <= in·out, docs/design.md §32), a memory-bounded torch path on CPU;
+    the clipped sum becomes ONE GEMM over B·T rows: ``(coef ⊙ G)ᵀ X``
+    (book-keeping: no second backward).
+    Book-keeping keeps the layer's X [B, T, in] and G [B, T, out] alive until the clip
+    coefficients are known. With ``dp_materialize='auto'`` (the default) a layer where that is
+    at least its per-sample gradient, T·(in+out) >= in·out (long sequences on narrow layers),
+    is left materialized: no larger, and one GEMM cheaper (its clipped sum is a GEMV). fastDP's
+    "mixed" book-keeping makes the same per-layer switch. ``dp_materialize='never'`` rewrites
+    every Linear weight.
+  * Embedding: the squared norm becomes ``optpass::embedding_per_sample_grad_sq_norm(x, g, p)``
+    (optpass/kernels, plain torch, memory-bounded): the Gram form
+    ||E_b||² = sum_{t,t'} [x_bt == x_bt' != p] <g_bt, g_bt'> for T <= 128 tokens, else
+    the sum of each distinct id's g_bt (sort + index_add), squared; the clipped sum becomes
+    ONE scatter of ``coef_b · g_bt`` over the B·T tokens into [vocab, d]: ``embedding_dense_backward(..,
+    vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
+    then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
+  After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
+  * A weight used more than once (a tied embedding and output head, a Linear applied k times):
+    its per-sample gradient is ``add(P1, P2)`` (a chain of them for k uses). Each part is a sum
+    over its tokens of outer products
+    g_tᵀ x_t — a Linear's G and X, an Embedding's one-hot ids and token gradients (padding
+    tokens get a zero one-hot row) — so the sum is one over the tokens of all uses:
+    ``X = cat(X1, X2, ..)``, ``G = cat(G1, G2, ..)`` along T, then the same norm op and ONE GEMM.
+    The one-hot [B, T, vocab] is the size of the tied head's output gradient.
+
+How uses are recognised: every view, permute, transpose, (un)squeeze or same-shape
+expand of P is followed with dimension labels (b, r, c: sample, weight rows, weight
+columns), so a consumer is known to reduce over exactly "everything but b" (the norm) or
+to contract exactly b (the clipped sum), whatever chain of views the tracer produced.
+An Embedding's rows are recognised by their offsets ``b·vocab`` (sample b owns rows
+[b·vocab, (b+1)·vocab)); the ids must also index the forward ``embedding`` of a
+[vocab, d] weight, whose run-time bounds check keeps each sample in its own rows.
+
+A symbolic batch size (``torch._dynamo.mark_dynamic``, automatic dynamic) is rewritten the same
+way: no decision depends on B (``dp_materialize='auto'`` compares per-sample sizes), and the
+views and GEMM the rewrite emits take B (and B·T) from the graph's inputs (``StepGraph.emit``).
+With Poisson sampling, vmap itself specializes B for ``cross_entropy`` and ``nn.Embedding``;
+docs/dp_sgd.md's recipe pads batches to a few static sizes instead (``optpass.pad_batch``).
+
+Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
+O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)
+FLOPs; segment: O(B·T·d)) instead of O(B·vocab·d) for an Embedding weight, which is
+rewritten only when T < vocab (else the tokens' gradients it keeps are no smaller);
+numerics equal up to floating-point rounding.
+
+Already cheap, kept as they are (checked on TinyLM's traced graphs): a Linear bias's
+per-sample gradient is ``sum(G, dim=T)`` -> [B, out]; LayerNorm's weight and bias are
+``sum(x̂ ⊙ g, dim=T)`` and ``sum(g, dim=T)`` -> [B, d]; a learned position table is a
+``slice_backward`` -> [B, seq, d]. Each is B × (the parameter's size), computed from
+[B, T, d] tensors the backward holds anyway — a per-sample gradient cannot be smaller —
+so their norms and clipped sums (``bmm`` over B) stay.
+
+Leaves alone (the outcome's notes say why): a Linear per-sample gradient kept by
+``dp_materialize='auto'`` (above); a per-sample gradient with any other use
+(e.g. returned, or clipped per layer); a weight used more than once with a use this pass
+cannot rewrite (the sum stays materialized and exact); an Embedding with
+``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
+``embedding_dense_backward``; in Inductor's graph the division is explicit and the
+pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
+bmm's and scatters that are not per-sample gradients.
+
+    before (Linear):                           after:
+      P = bmm(t(G), X)          # [B, out, in]   n = per_sample_grad_sq_norm(X, G)
+      n = sum(pow(view(P, [B, -1]), 2), [1])     w = mm(t(view(G * c, [B*T, out])), view(X, [B*T, in]))
+      w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
+
+    before (Embedding, aten graph):            after:
+      P = embedding_dense_backward(g, x + b·V, B·V, -1, False)   # [B·V, d]
+      P = select_scatter(view(P, [B, V, d]), 0, 1, pad)          n = embedding_per_sample_grad_sq_norm(x, g, pad)
+      n = sum(pow(view(P, [B, -1]), 2), [1])     w = embedding_dense_backward(view(g * c, [B*T, d]), x, V, pad, False)
+      w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from optpass.kernels import embedding_norm, per_sample_norm
+from optpass.passes.per_sample_grad_norm.candidate import _Candidate, _contiguous, _shape
+from optpass.passes.per_sample_grad_norm.labels import _classify, _labelled_uses, _sum_feeds_dp_uses
+from optpass.passes.per_sample_grad_norm.linear import (_is_outer_product_over_tokens, _linear_candidate, _outermost_sums)
+from optpass.passes.per_sample_grad_norm.embedding import _embedding_candidate
+
+aten = torch.ops.aten
+
+
+_REGISTERS_OPS = (embedding_norm, per_sample_norm)   # importing them registers torch.ops.optpass.*
+
+
+def run(step, options) -> str | None:
+    graph = step.graph
+    rewritten = 0
+    candidates = []
+    for node in list(graph.nodes):
+        if _is_outer_product_over_tokens(node):
+            candidate = _linear_candidate(step, node, options.dp_materialize)
+        else:
+            candidate = _embedding_candidate(step, node)
+        if candidate is not None:
+            candidates.append(candidate)
+    # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
+    # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
+    in_sums = set()
+    shapes, named = _parameters_by_shape(step), set()
+    for summed in _outermost_sums(step, candidates, options.dp_materialize):
+        why_not = _rewrite(step, summed)
+        in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
+        rewritten += why_not is None
+        _note(step, summed, why_not, shapes, named)
+    for candidate in candidates:
+        if candidate.root in in_sums:
+            continue
+        why_not = _rewrite(step, candidate)
+        rewritten += why_not is None
+        _note(step, candidate, why_not, shapes, named)
+    if candidates:
+        _note_the_others(step, shapes, named)
+    if not rewritten:
+        return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
+                                         "Embedding scatter) used for norms")
+    graph.eliminate_dead_code()
+    return None
+
+
+def _parameters_by_shape(step) -> dict[tuple[int, ...], list[str]]:
+    found: dict[tuple[int, ...], list[str]] = {}
+    for p in step.captured.params:
+        if p.tensor is not None:
+            found.setdefault(tuple(p.tensor.shape), []).append(p.name)
+    return found
+
+
+def _note(step, candidate: _Candidate, why_not: str | None, shapes, named: set[str]) -> None:
+    """What explain says of a per-sample gradient: its layer (the parameter of its shape, [rows,
+    columns], or [columns, rows] for a weight stored transposed such as Hugging Face's Conv1D)
+    and whether it was rewritten, or why not."""
+    rows, columns = candidate.size_of["r"], candidate.size_of["c"]
+    names = []
+    if isinstance(rows, int) and isinstance(columns, int):
+        names = shapes.get((rows, columns)) or shapes.get((columns, rows)) or []
+    named.update(names)
+    kind = "Embedding" if "Embedding" in candidate.what else "Linear"
+    layer = (f"{names[0]} ({kind} weight [{rows}, {columns}])" if len(names) == 1
+             else f"{kind} weight [{rows}, {columns}]" + (f" (one of {', '.join(names)})" if names else ""))
+    if why_not is None:
+        step.notes.append(f"{layer}: rewritten (norms without the [B, {rows}, {columns}] per-sample gradient, "
+                          "one clipped sum)")
+    elif why_not:
+        step.notes.append(f"{layer}: {why_not}")
+
+
+def _note_the_others(step, shapes, named: set[str]) -> None:
+    """The parameters no candidate stands for: their per-sample gradients are B x the parameter
+    (a bias, a norm's weight, a position table's slice), made from tensors backward holds anyway."""
+    others = [name for names in shapes.values() for name in names if name not in named]
+    if others:
+        step.notes.append(f"left as traced ({len(others)}): {', '.join(others[:12])}"
+                          f"{' ...' if len(others) > 12 else ''}: no per-sample outer product or "
+                          "scatter; a per-sample gradient of B x the parameter cannot be smaller")
+
+
+def _rewrite(step, candidate: _Candidate) -> str | None:
+    """Rewrite one per-sample gradient's norm and clipped-sum uses; '' if it is no DP pattern,
+    a reason if it is one that cannot be rewritten, None when done."""
+    reads = _labelled_uses(candidate.root, candidate.labels, candidate.size_of, candidate.through)
+    uses = [(user, state, _classify(user, value, labels)) for user, value, labels, state in reads]
+    if not any(kind for _, _, kind in uses):
+        shared = next((user for user, _, labels, _ in reads
+                       if _sum_feeds_dp_uses(user, labels, candidate.size_of)), None)
+        if shared is not None:
+            return (f"{candidate.what} is added to another per-sample gradient by {shared.name}: a weight "
+                    "shared by two layers (e.g. a tied embedding and output head) or used twice, in a sum "
+                    "with a use this pass cannot rewrite, so it is left as it was (exact)")
+        return ""                                             # not a per-sample gradient norm
+    if candidate.refuse:
+        return f"{candidate.what}: {candidate.refuse}"
+    other = next((user for user, _, kind in uses if kind is None), None)
+    if other is not None:
+        return (f"{candidate.what} is also used by {other.name} ({other.target}); only its squared "
+                "norm and a coefficient-weighted sum over the batch can be computed without "
+                "materializing it")
+    if candidate.keep:
+        return f"{candidate.what}: {candidate.keep}"
+
+    graph, emit = step.graph, step.emit
+    for _, state, kind in uses:
+        if kind[0] == "norm":
+            total = kind[1]
+            with graph.inserting_before(total):
+                norm = candidate.norm(state)
+                if norm.meta["val"].dtype != total.meta["val"].dtype:
+                    norm = emit(aten._to_copy.default, norm, dtype=total.meta["val"].dtype)
+            total.replace_all_uses_with(norm)
+        else:
+            _, result, coef, layout = kind
+            with graph.inserting_before(result):
+                weight = candidate.clipped_sum(coef, state)                           # [R, C]
+                if layout == ("c", "r"):
+                    weight = _contiguous(emit, emit(aten.permute.default, weight, [1, 0]))
+                if weight.meta["val"].dtype != result.meta["val"].dtype:
+                    weight = emit(aten._to_copy.default, weight, dtype=result.meta["val"].dtype)
+                new = emit(aten.view.default, weight, _shape(result))
+            result.replace_all_uses_with(new)
+    return None
