@@ -56,7 +56,7 @@ def run(step, options) -> str | None:
     if plan is None:
         return "no fused update in this compile (first step or accumulation micro-step)"
     masters = set(getattr(plan, "master_index", ()))
-    clip_fused_gradients(step, list(plan.harvested.updates), float(options.clip_grad_norm),
+    clip_fused_gradients(step, list(plan.harvested.updates), float(plan.clip_grad_norm),
                          in_backward=plan.in_backward, to_fp32=masters)
     return None
 

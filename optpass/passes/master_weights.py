@@ -74,6 +74,7 @@ class MasterPlan:
     state_index: dict[tuple[str, str], int]    # (parameter, state key) -> Dynamo input index
     master_index: dict[str, int]               # parameter -> Dynamo input index of its master
     in_backward: bool
+    clip_grad_norm: float | None = None        # the global norm clip_grad_norm_in_backward clips to
 
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""

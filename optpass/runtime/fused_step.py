@@ -117,6 +117,7 @@ class UpdatePlan:
     lr_index: dict[int, int]                  # param group -> Dynamo input index
     state_index: dict[tuple[str, str], int]   # (parameter, state key) -> Dynamo input index
     in_backward: bool = True                  # False: after backward (grad_scaler without optimizer_in_backward)
+    clip_grad_norm: float | None = None       # the global norm clip_grad_norm_in_backward clips to
 
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
@@ -223,7 +224,8 @@ class FusedStep:
         return self.optimizer.param_groups[group]["lr"]
 
     def _make_plan(self, harvested, lr_index: dict, state_index: dict, param_index: dict) -> tuple[str, Any]:
-        return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index, in_backward=self.options.optimizer_in_backward)
+        return CONTEXT_KEY, UpdatePlan(harvested, lr_index, state_index, in_backward=self.options.optimizer_in_backward,
+                                       clip_grad_norm=self.options.clip_grad_norm)
 
     def _separate_params(self, names: dict[str, torch.Tensor]) -> list[str]:
         """Parameters whose update writes a tensor other than the step's parameter (an fp32 master):

@@ -52,4 +52,5 @@ class MasterWeightsStep(FusedStep):
 
     def _make_plan(self, harvested, lr_index, state_index, param_index):
         return MASTER_KEY, MasterPlan(harvested, lr_index, state_index, param_index,
-                                      in_backward=self.options.optimizer_in_backward)
+                                      in_backward=self.options.optimizer_in_backward,
+                                      clip_grad_norm=self.options.clip_grad_norm)
