@@ -142,27 +142,8 @@ def _check_zero1(gm, captured, options) -> None:
     if options.optimizer_in_backward:
         check_optimizer_in_backward(captured, options)
     if captured.kind is GraphKind.STEP:
-        _refuse_gradients_outside_the_optimizer(captured, options)
         # made now, a micro-step's compile included: rank 0's parameters before any gradient
         shard_the_optimizer(gm, captured, options)
-
-
-def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
-    """DDP averages the gradient of every trainable parameter; zero1 averages the optimizer's (in its
-    update). Another trainable parameter would keep this rank's gradient in .grad, a different one
-    on every rank: refused, with the fix."""
-    in_optimizer = {id(p) for group in options.optimizer.param_groups for p in group["params"]}
-    by_name = captured.param_by_name
-    outside = [name for name in captured.gradient_outputs
-               if name in by_name and id(by_name[name].tensor) not in in_optimizer]
-    if outside:
-        raise OptpassError(
-            f"data_parallel='zero1': parameter(s) {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} "
-            f"get gradients in this step but are not in the optimizer ({len(outside)} in all). zero1 "
-            "averages across ranks the gradients its optimizer updates; these would keep this rank's "
-            "gradient in .grad (DDP would average them). Freeze what you do not train "
-            "(p.requires_grad_(False): it also saves their backward), or put them in the optimizer "
-            "(another param group for other settings).")
 
 
 def _check_master_weights(gm, captured, options) -> None:

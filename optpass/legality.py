@@ -393,12 +393,14 @@ def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
 def check_zero1(captured: CapturedGraph, options) -> None:
     """data_parallel='zero1' averages raw gradients across ranks inside the update: prove the step
     hands it raw gradients (the ops between backward() and opt.step() would see this rank's
-    gradients only, where DDP's would see averaged ones)."""
+    gradients only, where DDP's would see averaged ones), and only gradients of the optimizer's
+    parameters (any other would keep this rank's own)."""
     _refuse_backward_outside(captured, "data_parallel='zero1'")
     if captured.kind is not GraphKind.STEP:
         return
     _refuse_unseen_gradient_transforms(captured, "data_parallel='zero1'", options.optimizer)
     _refuse_parallel_collectives(captured.gm.graph)
+    _refuse_gradients_outside_the_optimizer(captured, options)
     # Gradient accumulation (after backward only): a micro-step (backward, no opt.step()) keeps this
     # rank's gradients in .grad, as DDP's no_sync() does; the step that follows adds its own to them
     # and averages the sums across ranks (shard_optimizer reads old + new, gradient_value).
@@ -421,6 +423,24 @@ def check_zero1(captured: CapturedGraph, options) -> None:
             "clip the wrong norm). For global-norm clipping remove clip_grad_norm_ from the step and "
             "pass options={..., 'clip_grad_norm': max_norm}; otherwise remove the transform (e.g. "
             "scale the loss instead), or train without data_parallel.")
+
+
+def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
+    """DDP averages the gradient of every trainable parameter; zero1 averages the optimizer's (in its
+    update). Another trainable parameter would keep this rank's gradient in .grad, a different one
+    on every rank: refused, with the fix."""
+    in_optimizer = {id(p) for group in options.optimizer.param_groups for p in group["params"]}
+    by_name = captured.param_by_name
+    outside = [name for name in captured.gradient_outputs
+               if name in by_name and id(by_name[name].tensor) not in in_optimizer]
+    if outside:
+        raise OptpassError(
+            f"data_parallel='zero1': parameter(s) {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} "
+            f"get gradients in this step but are not in the optimizer ({len(outside)} in all). zero1 "
+            "averages across ranks the gradients its optimizer updates; these would keep this rank's "
+            "gradient in .grad (DDP would average them). Freeze what you do not train "
+            "(p.requires_grad_(False): it also saves their backward), or put them in the optimizer "
+            "(another param group for other settings).")
 
 
 def _is_gradient_plumbing(node: torch.fx.Node) -> bool:

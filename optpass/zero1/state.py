@@ -245,6 +245,7 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     `replicated` (the frozen parameters and buffers it reads) come with the first compile of a
     step: every rank must agree on them, and takes rank 0's `replicated` tensors (``Replicas``)."""
     pg = ProcessGroupInfo.of(process_group)
+    replicated = replicated or {}
     existing = _SHARDED.get(optimizer)
     if existing is not None:
         wanted = (pg.group, partition, bucket_bytes, master_dtype)
@@ -255,18 +256,18 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
                 f"{existing.bucket_bytes}, master_weights {existing.master_dtype}; compile every step "
                 "that uses it, and call load_sharded_checkpoint, with the same options.")
         if step is not None and existing.replicas is None:      # made by load_sharded_checkpoint
-            agree(pg.group, "zero1", step + Replicas.signature(replicated or {}))
-            existing.replicas = Replicas(pg, replicated or {})
+            agree(pg.group, "zero1", step + Replicas.signature(replicated))
+            existing.replicas = Replicas(pg, replicated)
         return existing
     refuse_non_elementwise(optimizer, master_dtype)      # every rank: the same verdict, before any collective
     agreed = signature(optimizer, partition, bucket_bytes, names, master_dtype)
     if step is not None:
-        agreed += step + Replicas.signature(replicated or {})
+        agreed += step + Replicas.signature(replicated)
     order = agree(pg.group, "zero1", agreed, order)[0]   # rank 0's bucket order (each found its own)
     broadcast_parameters(optimizer, pg)
     sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)
     if step is not None:
-        sharded.replicas = Replicas(pg, replicated or {})
+        sharded.replicas = Replicas(pg, replicated)
     # an eager opt.step() with gradients would update every parameter with this rank's gradients
     # (and, with master_weights, bypass the masters): it raises
     optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
