@@ -28,7 +28,7 @@ from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulat
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
-from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed
+from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed, several_ranks
 from optpass.zero1.state import sharded_state
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
@@ -68,8 +68,16 @@ def optpass_backend(gm, example_inputs, options=None, mode=None):
     except RanksDisagree:
         raise                            # every rank raised it
     except OptpassError as error:
-        announce_refusal(str(error))     # ranks waiting for this one in a data-parallel step fail now
+        if _asks_for_data_parallel(options):
+            announce_refusal(str(error))     # ranks waiting for this one in the step fail now
         raise
+
+
+def _asks_for_data_parallel(options) -> bool:
+    """The user's options (a dict, an Options, or None) set data_parallel: a refusal of this compile
+    takes the place of the ranks' agreement on the step."""
+    value = options.get("data_parallel") if isinstance(options, dict) else getattr(options, "data_parallel", None)
+    return value is not None
 
 
 def _compile(gm, example_inputs, options, mode):
@@ -118,8 +126,7 @@ def _warn_undistributed(captured, options) -> None:
     ranks: each rank trains alone, its gradients are not averaged. Warn once (each rank may train
     a model of its own on purpose), and tell ranks that wait for this one in a data-parallel step."""
     global _warned_undistributed
-    if (options.data_parallel is not None or captured.kind is not GraphKind.STEP
-            or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2):
+    if options.data_parallel is not None or captured.kind is not GraphKind.STEP or not several_ranks():
         return
     where = captured.backward_line
     announce_undistributed(f"its step at {where}" if where is not None else "its step")

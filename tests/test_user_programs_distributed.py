@@ -14,7 +14,9 @@ from distributed import RankError, run_ranks, values
 
 PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimizer_over_part",
             "clip_on_rank_zero_only", "in_backward_on_rank_zero_only", "lr_tensor_differs",
-            "grad_scaler_on_rank_zero_only", "evaluation_without_no_grad",
+            "grad_scaler_on_rank_zero_only",
+            # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
+            "refusal_on_rank_one_only", "evaluation_without_no_grad",
             "ddp_model_compiled_with_optpass", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
@@ -68,6 +70,14 @@ def test_options_that_differ_across_ranks_fail_every_rank_alike_at_the_first_com
         assert kind == "RanksDisagree" and what in message, message
         messages.add(message)
     assert len(messages) == 1          # the same error on every rank
+
+
+def test_a_refusal_on_one_rank_fails_the_others_at_once_with_its_error(ranks):
+    kind, message = _error(ranks[1]["refusal_on_rank_one_only"])
+    assert kind == "OptpassError" and "the step transforms gradients before opt.step()" in message
+    kind, message = _error(ranks[0]["refusal_on_rank_one_only"])
+    assert kind == "RanksDisagree" and "rank 1 refused the step" in message
+    assert "the step transforms gradients before opt.step()" in message      # rank 1's own error
 
 
 def test_data_parallel_left_off_one_rank_fails_the_waiting_rank_and_warns_the_other(ranks):

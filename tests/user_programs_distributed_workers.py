@@ -243,6 +243,25 @@ def data_parallel_on_rank_zero_only(rank, world):
     return {}
 
 
+def refusal_on_rank_one_only(rank, world):
+    """Rank 1's step clips inside the step (refused under zero1 at its compile); rank 0's does not."""
+    model, opt = _mlp_and_opt()
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if rank == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    step = torch.compile(train_step, backend="optpass", options={"optimizer": opt, "data_parallel": "zero1"})
+    step(*batch(0, rank, world))
+    return {}
+
+
 # ------------------------------------------------------------------ evaluation, uneven calls
 
 def evaluation_without_no_grad(rank, world):

@@ -35,8 +35,10 @@ from optpass.errors import OptpassError
 _PREFIX = "optpass/agreement"
 _POLL_S = 0.02
 UNDISTRIBUTED_GRACE_S = 60.0
-_sequence: dict[str, int] = {}           # process group name -> agreements made in this process
-_started = 0                             # agreements started in this process, every group
+# Agreements started in this process, a refusal at compile time counting as one: every rank of a
+# group counts the same steps, so the count names this agreement's keys and tells a stale refusal
+# or announcement (made for an earlier step) from one made for this step.
+_started = 0
 
 
 class RanksDisagree(OptpassError):
@@ -53,6 +55,11 @@ def _timeout_s(store) -> float:
     return getattr(store, "timeout", datetime.timedelta(minutes=30)).total_seconds()
 
 
+def several_ranks() -> bool:
+    """torch.distributed runs more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _global_ranks(group) -> list[int]:
     return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
@@ -60,7 +67,7 @@ def _global_ranks(group) -> list[int]:
 def announce_undistributed(what: str) -> None:
     """This rank compiles a training step without data_parallel: ``what`` becomes the reason a rank
     waiting for this one to join a data-parallel step gives (see UNDISTRIBUTED_GRACE_S)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+    if not several_ranks():
         return
     _store().set(f"{_PREFIX}/undistributed/{dist.get_rank()}",
                  pickle.dumps((_started, time.monotonic_ns(), what)))
@@ -71,7 +78,7 @@ def announce_refusal(message: str) -> None:
     step fails at once with this rank's message (it will not arrive). The refusal takes the place
     of that step's agreement: this rank's next one is the others' next one too."""
     global _started
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         _store().set(f"{_PREFIX}/refused/{dist.get_rank()}", pickle.dumps((_started, message)))
         _started += 1
 
@@ -84,11 +91,9 @@ def agree(group, kind: str, signature: list[tuple[str, Any]], payload: Any = Non
     ranks = _global_ranks(group)
     me = dist.get_rank(group)
     name = getattr(group, "group_name", str(id(group)))
-    number = _sequence.get(name, 0)
-    _sequence[name] = number + 1
     global _started
     started, _started = _started, _started + 1
-    prefix = f"{_PREFIX}/{name}/{number}"
+    prefix = f"{_PREFIX}/{name}/{started}"
     store.set(f"{prefix}/{me}", pickle.dumps((signature, payload)))
     keys = [f"{prefix}/{r}" for r in range(len(ranks))]
     _wait(store, keys, ranks, me, kind, _timeout_s(store), started)
