@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 _LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.diff",
          "estimate_peak_memory": "optpass.analysis.memory", "MemoryEstimate": "optpass.analysis.memory",
          "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory",
-         "save_sharded_checkpoint": "optpass.zero1.checkpoint", "load_sharded_checkpoint": "optpass.zero1.checkpoint",
+         "save_sharded_checkpoint": "optpass.fsdp.checkpoint", "load_sharded_checkpoint": "optpass.fsdp.checkpoint",
+         "fully_shard": "optpass.fsdp.shard", "full_state_dict": "optpass.fsdp.checkpoint",
+         "load_full_state_dict": "optpass.fsdp.checkpoint",
          "optimizer_state_dict": "optpass.zero1.checkpoint",
          "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
          "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}
@@ -32,7 +34,7 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "zero1":                           # a submodule, loaded on first use
+    if name in ("zero1", "fsdp"):                           # a submodule, loaded on first use
         return importlib.import_module(f"optpass.{name}")
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [
@@ -40,5 +42,5 @@ __all__ = [
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
-    "master_weights", "skipped_steps",
+    "master_weights", "skipped_steps", "fully_shard", "full_state_dict", "load_full_state_dict",
 ]

@@ -13,13 +13,16 @@ from typing import Callable
 
 import torch.distributed as dist
 import torch.fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.legality import (check_grad_scaler, check_hyperparameter_writes, check_master_weights,
+from optpass.fsdp.shard import replaced_name, shard_spec
+from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                               check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
+from optpass.optim.elementwise import non_elementwise_ops
 from optpass.options import Options
 from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
 from optpass.precision.masters import master_state, refuse_without_low_precision
@@ -28,8 +31,8 @@ from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulat
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
-from optpass.zero1.agreement import RanksDisagree, announce_refusal, announce_undistributed, several_ranks
-from optpass.zero1.state import sharded_state
+from optpass.zero1.agreement import RanksDisagree, agree, announce_refusal, announce_undistributed, several_ranks
+from optpass.zero1.state import sharded_state, signature
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
 # module before Dynamo traces anything, so backward() is captured from the first call.
@@ -94,6 +97,8 @@ def _compile(gm, example_inputs, options, mode):
         warn_backward_outside(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
+    # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.
+    check_fully_sharded(captured, options)
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
     # A training step on one of several ranks, not data-parallel: say so (ranks that wait for it fail).
     _warn_undistributed(captured, options)
@@ -138,6 +143,76 @@ def _warn_undistributed(captured, options) -> None:
             "across ranks. To train data-parallel pass options={..., 'data_parallel': 'zero1'} on every rank "
             "(a DistributedDataParallel model is not averaged either: see the README's ZeRO-1 section).",
             UserWarning, where)
+
+
+def check_fully_sharded(captured, options) -> None:
+    """A step over parameters ``optpass.fully_shard`` sharded needs data_parallel='fsdp' (another
+    data_parallel would average the averaged shards again, none would skip the reshard); with it,
+    every parameter the step trains is a shard, and so is every parameter of the optimizer (one
+    built before fully_shard holds the replaced full parameters, which nothing would update). The
+    ranks agree on the optimizer and the options before the first step's collectives."""
+    sharded = [p.name for p in captured.params if p.tensor is not None and shard_spec(p.tensor) is not None]
+    if options.data_parallel != "fsdp":
+        if sharded and captured.kind is GraphKind.STEP:
+            raise OptpassError(
+                f"this step trains parameters sharded by optpass.fully_shard ({', '.join(sharded[:3])}) "
+                f"{'with data_parallel=' + repr(options.data_parallel) if options.data_parallel else 'without data_parallel'}"
+                ": compile it with options={..., 'optimizer': opt, 'data_parallel': 'fsdp'}, which gathers "
+                "each parameter again in backward and checks what the step does with the sharded gradients.")
+        return
+    check_fsdp(captured, options)
+    if captured.kind is not GraphKind.STEP:
+        return
+    if not sharded:
+        raise OptpassError(
+            "data_parallel='fsdp' on a model that was not passed to optpass.fully_shard: call "
+            "optpass.fully_shard(model) on every rank after building the model and before building the "
+            "optimizer (each rank then keeps its shard of every parameter).")
+    whole = [p.name for p in captured.params if p.tensor is not None and p.tensor.requires_grad
+             and shard_spec(p.tensor) is None]
+    if whole:
+        raise OptpassError(
+            f"data_parallel='fsdp': parameter(s) {', '.join(whole[:3])} get gradients in this step but are not "
+            "sharded (another model, or one built after optpass.fully_shard): their gradients would stay this "
+            "rank's own. Pass every model the step trains to optpass.fully_shard.")
+    params = [p for group in options.optimizer.param_groups for p in group["params"]]
+    replaced = [replaced_name(p) for p in params if replaced_name(p) is not None]
+    if replaced:
+        raise OptpassError(
+            f"data_parallel='fsdp': the optimizer holds the full parameters that optpass.fully_shard replaced "
+            f"({', '.join(replaced[:3])}): it was built before fully_shard, and nothing would update them. Build "
+            "the optimizer after optpass.fully_shard(model): opt = torch.optim.AdamW(model.parameters(), ...).")
+    foreign = [tuple(p.shape) for p in params if shard_spec(p) is None]
+    if foreign:
+        raise OptpassError(
+            f"data_parallel='fsdp': {len(foreign)} parameter(s) of the optimizer are not shards made by "
+            f"optpass.fully_shard (shapes {foreign[:3]}): pass every model it trains to optpass.fully_shard "
+            "before building the optimizer.")
+    _agree_on_the_fsdp_step(captured, options)
+
+
+_FSDP_AGREED: WeakIdKeyDictionary = WeakIdKeyDictionary()     # optimizer -> its ranks agreed
+
+
+def _agree_on_the_fsdp_step(captured, options) -> None:
+    """Every rank runs the same collectives and the same math: the optimizer, its hyper-parameters
+    and the options agree at the first compile (a later one, e.g. a last, smaller batch, may happen
+    on some ranks only); an update that reads a whole parameter is refused on every rank alike."""
+    optimizer = options.optimizer
+    if optimizer in _FSDP_AGREED:
+        return
+    group = shard_spec(next(p for group in optimizer.param_groups for p in group["params"])).group
+    found = non_elementwise_ops(optimizer, options.master_weights)
+    names = {id(p.tensor): p.name for p in captured.params if p.tensor is not None}
+    agree(group, "fsdp", signature(optimizer, "", 0, names, options.master_weights) + options.across_ranks()
+          + [("non-elementwise ops of the update", found)])
+    if found:
+        name = type(optimizer).__name__
+        raise OptpassError(
+            f"data_parallel='fsdp': {name}'s update is not elementwise: it computes {', '.join(found[:4])} over a "
+            f"whole parameter, and each rank updates only its shard (a flat 1/N of each parameter) with {name}. "
+            "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under fsdp.")
+    _FSDP_AGREED[optimizer] = True
 
 
 def _check_zero1(gm, captured, options) -> None:

@@ -425,6 +425,36 @@ def check_zero1(captured: CapturedGraph, options) -> None:
             "scale the loss instead), or train without data_parallel.")
 
 
+def check_fsdp(captured: CapturedGraph, options) -> None:
+    """data_parallel='fsdp': the gradients the step sees are this rank's shards, averaged over the
+    ranks. A transform that works element by element on one gradient is right on a shard
+    (``p.grad.mul_(0.5)``, a clamp); one that reduces a gradient or mixes parameters (a norm,
+    ``clip_grad_norm_``, a sum) would see 1/N of each gradient, so it is refused with its line."""
+    _refuse_backward_outside(captured, "data_parallel='fsdp'")
+    if captured.kind is not GraphKind.STEP:
+        return
+    _refuse_unseen_gradient_transforms(captured, "data_parallel='fsdp'", options.optimizer)
+    _refuse_parallel_collectives(captured.gm.graph)
+    shapes = {p.name: tuple(p.tensor.shape) for p in captured.params if p.tensor is not None}
+    labels, _ = gradient_labels(captured)
+    for node in captured.gm.graph.nodes:
+        if node not in labels or _is_gradient_plumbing(node):
+            continue
+        label = labels[node]
+        value = node.meta.get("example_value")
+        shard_shape = shapes.get(next(iter(label))) if len(label) == 1 else None
+        if shard_shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == shard_shape:
+            continue
+        where = node_user_line(node)
+        raise OptpassError(
+            f"data_parallel='fsdp' refused: the step computes on gradients at {where or node.name} in a way "
+            "that reads a whole gradient or mixes parameters (a norm, a sum, clip_grad_norm_). Under fsdp "
+            "each rank holds 1/N of every gradient (its shard, averaged over the ranks), so this code would "
+            "see one rank's part only. Element-by-element transforms of p.grad are fine (p.grad.mul_, "
+            "clamp_); remove this one (scale the loss instead), or train with data_parallel='zero1' "
+            "(clip_grad_norm is an option there).")
+
+
 def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
     """DDP averages the gradient of every trainable parameter; zero1 averages the optimizer's (in its
     update). Another trainable parameter would keep this rank's gradient in .grad, a different one

@@ -29,8 +29,9 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from optpass import passes
+from optpass.passes import reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
-from optpass.capture import CapturedGraph
+from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, user_line
 from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import StepGraph
@@ -77,6 +78,8 @@ def lower(gm, example_inputs, context, *, captured, options):
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items())))
     # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
     patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
+    if options.data_parallel == "fsdp" and captured.kind is GraphKind.STEP:
+        patches.update(reshard_after_forward.INDUCTOR_CONFIG)
     return lower_inductor(gm, example_inputs, rewrite_fn, key, patches)
 
 

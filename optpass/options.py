@@ -25,7 +25,7 @@ from optpass.errors import OptpassError
 LOWERINGS = ("inductor", "eager")
 # The passes of the pipeline, in its order (optpass.passes.PASSES; a test keeps the two equal).
 PASS_NAMES = ("loss_scaling", "clip_grad_norm_in_backward", "optimizer_in_backward", "master_weights",
-              "shard_optimizer", "per_sample_grad_norm", "eliminate_dead_code")
+              "reshard_after_forward", "shard_optimizer", "per_sample_grad_norm", "eliminate_dead_code")
 # The collective plans of data_parallel by name: optpass.passes.shard_optimizer registers its own
 # when optpass loads (its PLANS is this dict); option 'collectives' is 'auto' or one of them.
 COLLECTIVE_PLANS: dict[str, type] = {}
@@ -85,8 +85,10 @@ OPTIONS: tuple[Option, ...] = (
            "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
            "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order)"),
     Option("data_parallel", (type(None), str), None,
-           "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph",
-           choices=(None, "zero1")),
+           "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph; "
+           "'fsdp': a model passed to optpass.fully_shard, parameters, gradients and state sharded, each "
+           "parameter gathered just before its use in forward and again in backward",
+           choices=(None, "zero1", "fsdp")),
     Option("process_group", (object,), None,
            "with data_parallel: the torch.distributed process group (None: the default WORLD group)"),
     Option("partition", (str,), "even",
@@ -224,11 +226,13 @@ def _check_combinations(options: Options) -> None:
         raise OptpassError("clip_grad_norm is a positive max norm for optimizer_in_backward, data_parallel, "
                            "master_weights or grad_scaler; without them call torch.nn.utils.clip_grad_norm_ "
                            "in the step")
-    if options.clip_grad_norm is not None and options.data_parallel is None:
+    if options.clip_grad_norm is not None and options.data_parallel != "zero1":
         if not _pass_selected(options, "clip_grad_norm_in_backward"):
             raise OptpassError("clip_grad_norm is applied by the pass clip_grad_norm_in_backward; without it the "
                                "step would not clip. Keep the pass, or leave out option 'clip_grad_norm'.")
-    if options.data_parallel is not None:
+    if options.data_parallel == "fsdp":
+        _check_fsdp(options)
+    if options.data_parallel == "zero1":
         if options.optimizer is None:
             raise OptpassError("data_parallel='zero1' needs the optimizer: "
                                "options={'optimizer': opt, 'data_parallel': 'zero1'}")
@@ -261,6 +265,23 @@ def _check_combinations(options: Options) -> None:
                            "as usual (call opt.step() every K micro-steps)")
 
 
+def _check_fsdp(options: Options) -> None:
+    if options.optimizer is None:
+        raise OptpassError("data_parallel='fsdp' needs the optimizer (built after optpass.fully_shard(model)): "
+                           "options={'optimizer': opt, 'data_parallel': 'fsdp'}")
+    if options.clip_grad_norm is not None:
+        raise OptpassError(
+            "clip_grad_norm with data_parallel='fsdp' is not supported yet: the global norm needs the squared "
+            "norms of every rank's gradient shards summed across ranks. Train without clipping, or use "
+            "data_parallel='zero1' (every rank holds the parameters) with clip_grad_norm.")
+    if options.grad_scaler is not None:
+        raise OptpassError(
+            "grad_scaler with data_parallel='fsdp' is not supported yet: each rank checks only its gradient "
+            "shards for inf/nan, and the ranks must agree to skip a step. Use bf16 parameters (with "
+            "master_weights=torch.float32), or data_parallel='zero1' with grad_scaler.")
+    _require_pass(options, "reshard_after_forward", "data_parallel='fsdp'")
+
+
 def _refuse_scaler_disabled_by_torch(scaler) -> None:
     """GradScaler("cuda") on a machine without CUDA disables itself (torch warns once): taking it as
     'no scaling' would train fp16 unscaled and unchecked, which the user did not ask for."""
@@ -288,7 +309,7 @@ def _check_master_weights(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("master_weights needs the optimizer whose update runs on the masters: "
                            "options={'optimizer': opt, 'master_weights': torch.float32}")
-    if options.data_parallel is None:        # with zero1, shard_optimizer updates the master shards
+    if options.data_parallel != "zero1":        # with zero1, shard_optimizer updates the master shards
         _require_pass(options, "master_weights", "master_weights")
 
 

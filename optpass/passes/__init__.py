@@ -10,6 +10,7 @@ share is in ``_graph_utils.py``). The pipeline, in order:
 | clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
+| reshard_after_forward | reshard_after_forward.py | when asked    | no (the same shards gathered again) |
 | shard_optimizer       | shard_optimizer/       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
 | per_sample_grad_norm  | per_sample_grad_norm/  | yes           | no (rounding only) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
@@ -40,7 +41,7 @@ import torch.fx
 from optpass.capture import GraphKind
 from optpass.errors import OptpassError, node_user_line
 from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, loss_scaling, master_weights,
-                            optimizer_in_backward, per_sample_grad_norm, shard_optimizer)
+                            optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer)
 
 log = logging.getLogger("optpass")
 
@@ -80,6 +81,9 @@ PASSES: tuple[GraphPass, ...] = (
     # bf16/fp16 parameters: torch.optim's update on fp32 masters, rounded into the parameters (opt-in).
     GraphPass("master_weights", master_weights.run, applies_to=(GraphKind.STEP,), changes_numerics=True,
               asked_by="master_weights"),
+    # FSDP: each sharded parameter gathered again for backward, gathers prefetched one ahead (opt-in).
+    GraphPass("reshard_after_forward", reshard_after_forward.run, applies_to=(GraphKind.STEP,),
+              asked_by="data_parallel"),
     # ZeRO-1: per bucket a reduce during backward, this rank's shard update, a gather, in the graph (opt-in).
     GraphPass("shard_optimizer", shard_optimizer.run, applies_to=(GraphKind.STEP,), asked_by="data_parallel"),
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.

@@ -185,7 +185,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
     if model is not None:
         model.load_state_dict(state["model"])
     install(state[OPTIMIZER_KEY])
-    _restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
+    restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
     sharded.sync_lr()
 
 
@@ -243,9 +243,10 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
     return template, install
 
 
-def _restore_param_groups(optimizer, saved: list[dict]) -> None:
+def restore_param_groups(optimizer, saved: list[dict]) -> None:
+    """The saved hyper-parameters of every param group into ``optimizer`` (a tensor lr in place)."""
     if len(saved) != len(optimizer.param_groups):
-        raise OptpassError(f"zero1 checkpoint: saved {len(saved)} param groups, the optimizer has "
+        raise OptpassError(f"checkpoint: saved {len(saved)} param groups, the optimizer has "
                            f"{len(optimizer.param_groups)}.")
     for group, values in zip(optimizer.param_groups, saved):
         for key, value in values.items():

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Fully sharded data parallel (``optpass.fully_shard`` + ``data_parallel="fsdp"``) versus torch's FSDP2
+and optpass ZeRO-1, gloo ranks on CPU, fp32 AdamW.
+
+For each world size (``--worlds``, default 2 and 3) one set of spawned ranks trains, one variant
+after the other in the same processes, each from a fresh model of the same seed:
+
+* ``fsdp2``                  -- ``torch.distributed.fsdp.fully_shard`` on every unit and the root
+  (``reshard_after_forward=True``) + ``torch.optim.AdamW``, eager (FSDP2's hooks graph-break
+  under torch.compile: docs/design.md §38);
+* ``optpass-fsdp``           -- ``optpass.fully_shard(model)``, ``torch.compile(backend="optpass",
+  options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})`` (Inductor);
+* ``optpass-fsdp-after``     -- the same with the update after backward;
+* ``optpass-zero1``          -- the whole model on every rank, ``data_parallel="zero1"``, in backward.
+
+Models (``--model``): ``mlp`` (``--depth`` units of ``Linear(w, w)`` + ReLU; default 8 x 2048^2,
+33.6M parameters) or ``llama`` (a random-init Hugging Face ``LlamaForCausalLM``, ``--depth``
+decoder layers of width ``--width``; needs transformers).
+
+Reported per rank, per variant:
+
+* **the training run's live-tensor peak**: the highest point of live tensor bytes (a counting CPU
+  allocator, ``_measure.CPUTensorBytes``, which also sees what gloo's threads free) from the
+  optimizer's construction through compile and every step, the sharded model included; in bytes
+  per parameter of the full model. Beside it the peak of building the model (every rank builds
+  the full model, then shards it: the same for every variant);
+* the parameter bytes resident between steps, and optimizer-state bytes;
+* step time: median over ``--steps`` steps after ``--warmup`` (compile included there);
+* the goals of the issue: worst-rank peak of optpass-fsdp <= 0.70 x fsdp2's, <= 12/N bytes/param +
+  three units' full parameters + activations; resident <= 1.1 x P/N; step time <= 1.00 x fsdp2.
+
+Usage::
+
+    python3 bench/fsdp.py                  # 2 and 3 ranks, the MLP (~5 min)
+    python3 bench/fsdp.py --model llama    # a Llama of 8 layers, width 512
+    python3 bench/fsdp.py --quick          # 8 x 256^2, 2 ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo, run_ranks,
+                      training_step)
+
+VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1")
+
+
+def build(args):
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    if args.model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 8 / 3),
+                             num_hidden_layers=args.depth, num_attention_heads=max(1, args.width // 64),
+                             num_key_value_heads=max(1, args.width // 64), max_position_embeddings=args.seq)
+        model = LlamaForCausalLM(config)
+        return model, list(model.model.layers)
+    layers = []
+    for _ in range(args.depth):
+        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    return model, [m for m in model if isinstance(m, nn.Linear)]
+
+
+def batches(args, rank: int, world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1 + rank)
+    while True:
+        if args.model == "llama":
+            tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+            yield tokens, tokens
+        else:
+            yield torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+
+
+def loss_fn(args, model):
+    import torch.nn.functional as F
+
+    if args.model == "llama":
+        return lambda x, y: model(input_ids=x, labels=y).loss
+    return lambda x, y: F.mse_loss(model(x), y)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import optpass
+    from optpass.zero1.state import sharded_state
+
+    torch._dynamo.reset()
+    gc.collect()
+    with live.mark(f"{variant}/build"):
+        model, units = build(args)
+        full_params = sum(p.numel() for p in model.parameters())
+        unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
+        if variant == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for unit in units:
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+            fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        elif variant.startswith("optpass-fsdp"):
+            optpass.fully_shard(model)
+        gc.collect()
+    resident = tensor_bytes(local(p) for p in model.parameters())
+    data = batches(args, rank, world)
+    times = []
+    with live.mark(f"{variant}/train"):
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
+        if variant == "fsdp2":
+            step = training_step(loss_fn(args, model), opt)
+        else:
+            options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
+                       "optimizer_in_backward": variant != "optpass-fsdp-after"}
+            step = torch.compile(training_step(loss_fn(args, model), opt), backend="optpass", options=options)
+        for _ in range(args.warmup):
+            step(*next(data))
+        dist.barrier()
+        for _ in range(args.steps):
+            x, y = next(data)
+            dist.barrier()
+            began = time.perf_counter()
+            step(x, y)
+            times.append(time.perf_counter() - began)
+    holder = sharded_state(opt).shard_optimizer if variant == "optpass-zero1" else opt   # zero1 keeps its own
+    state = tensor_bytes(local(v) for s in holder.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    result = {"resident_param_bytes": resident, "state_bytes": state, "full_params": full_params,
+              "unit_bytes": unit_bytes, "step_s": statistics.median(times)}
+    del model, opt, step, units, holder
+    gc.collect()
+    dist.barrier()
+    return result
+
+
+def rank_main(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    init_gloo(args.rank, args.world, args.port, 600)
+    live = CPUTensorBytes()         # live tensor bytes on every thread (gloo frees on its own), from here on
+    live.start()
+    results = {variant: run_variant(variant, args, args.rank, args.world, live) for variant in args.variants}
+    marks = live.stop()["marks"]
+    for variant, result in results.items():
+        build, train = marks[f"{variant}/build"], marks[f"{variant}/train"]
+        # the training run's peak (absolute live bytes: what this variant holds, as nothing else is
+        # alive between variants); building the full model before sharding is reported beside it
+        result.update(peak_bytes=train["peak_bytes"], build_peak_bytes=build["peak_bytes"])
+    emit_result(results)
+
+
+def summarize(world: int, ranks: list[dict], args) -> dict:
+    worst = {v: max(r[v]["peak_bytes"] for r in ranks) for v in args.variants}
+    step = {v: max(r[v]["step_s"] for r in ranks) for v in args.variants}
+    P = ranks[0][args.variants[0]]["full_params"]
+    unit = ranks[0][args.variants[0]]["unit_bytes"]
+    out = {"world": world, "params": P, "unit_bytes": unit, "worst_peak_bytes": worst, "step_s": step,
+           "bytes_per_param": {v: worst[v] / P for v in args.variants},
+           "resident_over_P_N": {v: max(r[v]["resident_param_bytes"] for r in ranks) / (4 * P / world)
+                                 for v in args.variants},
+           "ranks": ranks}
+    if "fsdp2" in args.variants and "optpass-fsdp" in args.variants:
+        out["peak_vs_fsdp2"] = worst["optpass-fsdp"] / worst["fsdp2"]
+        out["step_vs_fsdp2"] = step["optpass-fsdp"] / step["fsdp2"]
+        out["budget_bytes"] = 12 * P / world + 3 * unit          # + activations, reported beside
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--model", default="mlp", choices=("mlp", "llama"))
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_rank_flags(parser)
+    args = parser.parse_args()
+    if args.width is None:
+        args.width = 512 if args.model == "llama" else 2048
+    if args.child:
+        rank_main(args)
+        return
+    if args.quick:
+        args.width, args.worlds, args.steps = 256, [2], 3
+    summaries = []
+    for world in args.worlds:
+        cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
+                            batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
+                            threads=args.threads)
+        cmd += ["--variants", *args.variants]
+        summaries.append(summarize(world, run_ranks(cmd, world, env=child_env(args.threads), timeout=3600), args))
+    print(f"model {args.model}: {summaries[0]['params'] / 1e6:.1f}M parameters, largest unit "
+          f"{summaries[0]['unit_bytes'] / 2**20:.1f} MiB fp32")
+    print("\n| ranks | variant | worst-rank peak MiB | bytes/param | params resident / (P/N) | step ms |")
+    print("|---|---|---|---|---|---|")
+    for s in summaries:
+        for v in args.variants:
+            print(f"| {s['world']} | {v} | {s['worst_peak_bytes'][v] / 2**20:.1f} | {s['bytes_per_param'][v]:.2f} "
+                  f"| {s['resident_over_P_N'][v]:.2f} | {s['step_s'][v] * 1e3:.1f} |")
+    for s in summaries:
+        if "peak_vs_fsdp2" in s:
+            print(f"ranks {s['world']}: optpass-fsdp / fsdp2: peak {s['peak_vs_fsdp2']:.3f} (goal <= 0.70), step time "
+                  f"{s['step_vs_fsdp2']:.3f} (goal <= 1.00); 12/N bytes/param + 3 units = "
+                  f"{s['budget_bytes'] / 2**20:.1f} MiB vs peak {s['worst_peak_bytes']['optpass-fsdp'] / 2**20:.1f} MiB")
+    brief = {f"{s['world']}": {k: s[k] for k in ("peak_vs_fsdp2", "step_vs_fsdp2", "bytes_per_param") if k in s}
+             for s in summaries}
+    print("JSON: " + json.dumps(brief))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "worlds": summaries}, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Fully sharded training with optpass, beside torch's FSDP2 and optpass ZeRO-1: one script, every rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/fsdp_train.py --out /tmp/fsdp
+
+Each rank trains the same model three times, one after the other, from the same seed: with
+``optpass.fully_shard`` + ``data_parallel="fsdp"`` and the update in backward, with torch's FSDP2
+(``fully_shard`` per layer and the root, eager), and with optpass ZeRO-1 (every rank holds the whole
+model). For each it measures the live-tensor peak of the run: per call, what this rank holds before
+it (parameters and optimizer state) plus the call's own peak (``optpass.measure_tensor_peak``), the
+highest over the calls; and writes it, with the graph diff of the fsdp step and the gathered
+parameters, to ``--out/rank<r>.json``
+(examples/fsdp.ipynb reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import optpass
+import optpass.zero1
+
+WIDTH, DEPTH = 512, 8          # 8 units of Linear(512, 512): 2.1M parameters
+STEPS = 10
+PER_RANK = 8
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def global_batch(step: int, samples: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(samples, WIDTH, generator=g)
+    return x, torch.tanh(x.roll(1, dims=1))
+
+
+def train(variant: str, rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    model = make_model()
+    if variant == "optpass fsdp":
+        optpass.fully_shard(model)                       # before the optimizer: each rank keeps its shard
+    elif variant == "torch FSDP2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()          # take what you return BEFORE opt.step()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    if variant != "torch FSDP2":
+        train_step = torch.compile(train_step, backend="optpass", options={
+            "optimizer": opt, "optimizer_in_backward": True,
+            "data_parallel": "fsdp" if variant == "optpass fsdp" else "zero1"})
+    losses, peak = [], 0
+    with optpass.keep_graphs():
+        for i in range(STEPS):
+            x, y = global_batch(i, PER_RANK * world)
+            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            # each call measured on its own (the profiler misses what gloo's threads free, so a
+            # block of many calls would drift): what this rank holds before it, plus the call's peak
+            held = _bytes(model.parameters()) + _bytes(_state(opt, variant))
+            with optpass.measure_tensor_peak() as call:
+                losses.append(train_step(x[mine], y[mine]).item())
+            peak = max(peak, held + call.peak_bytes)
+    param_bytes = _bytes(model.parameters())
+    result = {"peak_bytes": peak, "param_bytes": param_bytes, "state_bytes": _bytes(_state(opt, variant)),
+              "losses": losses}
+    if variant == "optpass fsdp":
+        report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+        result["notes"] = [note for outcome in report.passes if outcome.name == "reshard_after_forward"
+                           for note in outcome.notes]
+        result["graph_diff"] = optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=0)
+        result["params"] = {name: t.reshape(-1).tolist() for name, t in optpass.full_state_dict(model).items()}
+    return result
+
+
+def _bytes(tensors) -> int:
+    """Bytes this rank holds (a DTensor's local shard)."""
+    return sum(getattr(t, "to_local", lambda: t)().numel() * t.element_size() for t in tensors)
+
+
+def _state(opt, variant: str) -> list:
+    """The optimizer state this rank holds (zero1 keeps it in its shard optimizer, made at the first call)."""
+    holder = opt
+    if variant == "optpass zero1":
+        try:
+            holder = optpass.zero1.sharded_state(opt).shard_optimizer
+        except optpass.OptpassError:
+            return []
+    return [v for s in holder.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")                       # nccl on GPUs
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = {"rank": rank, "world": world, "parameters": sum(p.numel() for p in make_model().parameters()),
+              "variants": {v: train(v, rank, world) for v in ("optpass fsdp", "torch FSDP2", "optpass zero1")}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""A fully sharded model's parameters and optimizer state: whole, or saved with DCP on N ranks, loaded on M.
+
+``full_state_dict(model)`` gathers every parameter: ``{name: full tensor}`` (with the buffers) on
+every rank, the form ``torch.save``, a single-process model's ``load_state_dict`` or an evaluation
+job take. ``load_full_state_dict`` is its inverse (each rank keeps its shard of each tensor).
+
+A DCP checkpoint stores each parameter, and each elementwise optimizer state entry of it, as the
+flat tensor of ``numel`` elements a single process would flatten it to, written as a
+``ShardedTensor`` whose local shard is a view of this rank's valid elements (the padding is not
+saved): DCP writes and reads in place, without gathering, and reads overlapping pieces, so a
+checkpoint saved on N ranks loads on any M. Per-parameter scalars (Adam's ``step``) are saved by
+each rank that holds a piece (DCP keeps one), hyper-parameters as the user's ``param_groups`` with
+parameter names. ``save_sharded_checkpoint``/``load_sharded_checkpoint`` take a ZeRO-1 optimizer
+too and hand it to ``optpass.zero1.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from optpass.errors import OptpassError
+from optpass.fsdp.shard import ShardSpec, shard_spec, sharded_parameters
+from optpass.zero1 import checkpoint as zero1_checkpoint
+
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+
+
+def _require_sharded(model) -> list:
+    params = sharded_parameters(model)
+    if not params:
+        raise OptpassError(f"{type(model).__name__} has no parameters sharded by optpass.fully_shard: call "
+                           "optpass.fully_shard(model) on every rank first.")
+    return params
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a fully sharded model, gathered, and its buffers: a collective.
+
+    Args:
+        model: a module passed to ``optpass.fully_shard``.
+
+    Returns:
+        ``{name: tensor}`` in ``model.state_dict()``'s order and names, each parameter in its full
+        shape (a new tensor), on every rank: what ``model.state_dict()`` gives without sharding.
+
+    Raises:
+        OptpassError: the model holds no sharded parameter.
+    """
+    _require_sharded(model)
+    full = {}
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():
+            spec = shard_spec(value)
+            full[name] = _gathered(value.detach(), spec) if spec is not None else value.detach().clone()
+    return full
+
+
+def _gathered(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    pieces = torch.empty(spec.chunk * spec.world, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_single(pieces, shard.contiguous(), group=spec.group)
+    return pieces[:spec.numel].view(spec.shape).clone()
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (``full_state_dict``'s or a single-process model's ``state_dict()``) into a
+    fully sharded model: each rank keeps its shard of each parameter. No collective.
+
+    Args:
+        model: a module passed to ``optpass.fully_shard``.
+        state_dict: ``{name: full tensor}`` with every parameter and buffer of the model.
+
+    Raises:
+        OptpassError: the model holds no sharded parameter; a name is missing or unexpected; a
+            tensor's shape is not the parameter's.
+    """
+    _require_sharded(model)
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise OptpassError(f"load_full_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    with torch.no_grad():
+        for name, target in own.items():
+            value, spec = state_dict[name], shard_spec(target)
+            shape = spec.shape if spec is not None else tuple(target.shape)
+            if tuple(value.shape) != tuple(shape):
+                raise OptpassError(f"load_full_state_dict: {name} has shape {tuple(value.shape)}, the model's "
+                                   f"is {tuple(shape)}.")
+            if spec is None:
+                target.copy_(value)
+            else:
+                target.zero_()
+                target[:spec.valid].copy_(value.reshape(-1)[spec.offset:spec.offset + spec.valid])
+
+
+def is_fully_sharded_optimizer(optimizer) -> bool:
+    """Every parameter of ``optimizer`` is a shard ``fully_shard`` made."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return bool(params) and all(shard_spec(p) is not None for p in params)
+
+
+def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
+    """The flat parameter of ``spec.numel`` elements, this rank's valid elements as its local shard."""
+    placements, mine = [], None
+    for rank in range(spec.world):
+        start = min(rank * spec.chunk, spec.numel)
+        size = max(0, min(spec.chunk, spec.numel - start))
+        if size == 0:
+            continue
+        placement = ShardMetadata([start], [size], f"rank:{dist.get_global_rank(spec.group, rank)}/{piece.device}")
+        placements.append(placement)
+        if rank == spec.rank:
+            mine = placement
+    metadata = ShardedTensorMetadata(placements, torch.Size([spec.numel]),
+                                     TensorProperties(dtype=piece.dtype, requires_grad=False))
+    local = [Shard(piece[:spec.valid], mine)] if mine is not None else []
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=spec.group)
+
+
+def _state_entry(value, spec: ShardSpec, name: str, key: str):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value                                   # Adam's step, or a non-tensor entry
+    if tuple(value.shape) != (spec.chunk,):
+        raise OptpassError(f"fsdp checkpoint: optimizer state {key!r} of {name} has shape {tuple(value.shape)}, "
+                           "not the shard's; only elementwise optimizer state can be saved sharded.")
+    return _sharded_tensor(value, spec)
+
+
+def _names(model) -> dict[int, str]:
+    return {id(p): name for name, p, _ in sharded_parameters(model)}
+
+
+def _param_groups(optimizer, names: dict[int, str]) -> list[dict]:
+    return [{**{k: v for k, v in group.items() if k != "params"},
+             "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+
+
+def fsdp_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """The state DCP saves for a fully sharded model (and its optimizer), by reference.
+
+    Returns:
+        ``{"model": {name: ShardedTensor or buffer}, "optimizer": {"state": {name: {key: value}},
+        "param_groups": [...]}}``; the ShardedTensors' local shards are views of this rank's shards.
+    """
+    _require_sharded(model)
+    names = _names(model)
+    state: dict = {MODEL_KEY: {}}
+    for name, value in model.state_dict(keep_vars=True).items():
+        spec = shard_spec(value)
+        state[MODEL_KEY][name] = _sharded_tensor(value.detach(), spec) if spec is not None else value.detach()
+    if optimizer is not None:
+        _refuse_unsharded_optimizer(optimizer, names)
+        entries = {}
+        for p, values in optimizer.state.items():
+            spec = shard_spec(p)
+            entries[names[id(p)]] = {k: _state_entry(v, spec, names[id(p)], k) for k, v in values.items()}
+        state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
+    return state
+
+
+def _refuse_unsharded_optimizer(optimizer, names) -> None:
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
+    if foreign:
+        raise OptpassError(f"fsdp checkpoint: {len(foreign)} parameter(s) of the optimizer are not shards of this "
+                           "model (was the optimizer built before optpass.fully_shard(model)?).")
+
+
+def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                            model: torch.nn.Module | None = None) -> None:
+    """Save a sharded training state with ``torch.distributed.checkpoint``; call on every rank.
+
+    For a model passed to ``optpass.fully_shard``: its parameters and the optimizer's state, each
+    rank writing its own pieces. For an optimizer sharded by ``data_parallel="zero1"``:
+    ``optpass.zero1.checkpoint.save_sharded_checkpoint``. Either loads on any number of ranks.
+
+    Args:
+        checkpoint_id: where to save (DCP's ``checkpoint_id``, e.g. a directory path).
+        optimizer: the optimizer (None: a fully sharded model's parameters only).
+        model: the model (needed for a fully sharded one).
+
+    Raises:
+        OptpassError: neither a fully sharded model nor a zero1 optimizer; optimizer state that is
+            neither elementwise nor a scalar.
+    """
+    if model is None or not sharded_parameters(model):
+        if optimizer is None:
+            raise OptpassError("save_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
+        zero1_checkpoint.save_sharded_checkpoint(checkpoint_id, optimizer, model=model)
+        return
+    group = sharded_parameters(model)[0][2].group
+    dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=checkpoint_id, process_group=group)
+
+
+def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                            model: torch.nn.Module | None = None, **zero1_options) -> None:
+    """Load a checkpoint saved by ``save_sharded_checkpoint``, on any number of ranks; call on every rank.
+
+    For a fully sharded model (``optpass.fully_shard`` on this world size): its parameters, and
+    the optimizer's state and ``param_groups``, in place, before or between steps (a fresh
+    optimizer gets its state from the checkpoint). For a zero1 optimizer the keyword options are
+    ``optpass.zero1.checkpoint.load_sharded_checkpoint``'s.
+
+    Args:
+        checkpoint_id: where the checkpoint was saved.
+        optimizer: the optimizer (None: a fully sharded model's parameters only).
+        model: the model (needed for a fully sharded one).
+        **zero1_options: process_group, partition, bucket_bytes, master_weights (zero1 only).
+
+    Raises:
+        OptpassError: neither a fully sharded model nor an optimizer; the checkpoint lacks a
+            parameter or holds other param groups.
+    """
+    if model is None or not sharded_parameters(model):
+        if optimizer is None:
+            raise OptpassError("load_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
+        zero1_checkpoint.load_sharded_checkpoint(checkpoint_id, optimizer, model=model, **zero1_options)
+        return
+    if zero1_options:
+        raise OptpassError(f"load_sharded_checkpoint: {sorted(zero1_options)} are zero1's options; a fully "
+                           "sharded model takes none.")
+    group = sharded_parameters(model)[0][2].group
+    names = _names(model)
+    by_name = {name: p for name, p, _ in sharded_parameters(model)}
+    state = fsdp_state_dict(model)
+    fresh: dict[torch.Tensor, dict] = {}
+    if optimizer is not None:
+        _refuse_unsharded_optimizer(optimizer, names)
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+        entries: dict[str, dict] = {}
+        prefix = f"{OPTIMIZER_KEY}.state."
+        for fqn, md in metadata.items():
+            if not fqn.startswith(prefix):
+                continue
+            rest = fqn[len(prefix):]
+            name = next((n for n in sorted(by_name, key=len, reverse=True) if rest.startswith(n + ".")), None)
+            if name is None:
+                raise OptpassError(f"fsdp checkpoint: optimizer state {rest!r} names no parameter of this model.")
+            key = rest[len(name) + 1:]
+            p, spec = by_name[name], shard_spec(by_name[name])
+            size = tuple(getattr(md, "size", ()) or ())
+            target = fresh.setdefault(p, {})
+            if size == (spec.numel,):
+                target[key] = torch.zeros_like(p.detach())
+                entries.setdefault(name, {})[key] = _sharded_tensor(target[key], spec)
+            else:
+                target[key] = torch.zeros(size, dtype=md.properties.dtype)
+                entries.setdefault(name, {})[key] = target[key]
+        state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():
+            loaded = state[MODEL_KEY][name]
+            if shard_spec(value) is None and loaded is not value:
+                value.copy_(loaded)
+    if optimizer is not None:
+        optimizer.state.clear()
+        for p, values in fresh.items():
+            optimizer.state[p] = values
+        zero1_checkpoint.restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
+

@@ -1,0 +1,47 @@
+"""The all-gather of a shard whose gradient is the reduce-scatter onto it, as one autograd function.
+
+Forward: ``all_gather_into_tensor`` of every rank's shard, the padding cut off, viewed in the
+parameter's shape. Backward: the full gradient flattened, padded, ``reduce_scatter_tensor`` (sum)
+onto this rank's shard, divided by the number of ranks (each rank's loss is a mean over its own
+batch, so the average is the gradient of the mean over all of them, as DDP's). A bf16/fp16 gradient
+is summed in fp32 (docs/design.md §27) and rounded once.
+
+Both are functional collectives (``torch.ops._c10d_functional``, §24): Dynamo traces them into the
+step's graph, forward and backward, and they run through Inductor or the eager lowering on any
+backend (gloo on CPU, NCCL on GPUs). Called outside a compiled step (evaluation under ``no_grad``)
+they run eagerly, as collectives every rank must join.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+HALF = (torch.bfloat16, torch.float16)
+
+
+class _GatherShard(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, shard, numel: int, shape: tuple, world: int, group_name: str):
+        ctx.numel, ctx.world, ctx.group_name = numel, world, group_name
+        full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world, group_name))
+        return full[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = grad.reshape(-1)
+        dtype = flat.dtype
+        if dtype in HALF:
+            flat = flat.float()
+        chunk = max(1, -(-ctx.numel // ctx.world))
+        if chunk * ctx.world != ctx.numel:
+            flat = torch.nn.functional.pad(flat, (0, chunk * ctx.world - ctx.numel))
+        summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ctx.world, ctx.group_name))
+        return (summed / ctx.world).to(dtype), None, None, None, None
+
+
+def gather(shard: torch.Tensor, numel: int, shape: tuple, world: int, group_name: str) -> torch.Tensor:
+    """The full parameter (``numel`` elements, ``shape``) gathered from the ``world`` ranks' shards
+    of the process group ``group_name``; backward reduces its gradient onto ``shard``, averaged."""
+    return _GatherShard.apply(shard, numel, shape, world, group_name)

@@ -1,0 +1,132 @@
+"""Pass reshard_after_forward: backward gathers each fully sharded parameter again (ZeRO-3, not ZeRO-2).
+
+Precondition: a step graph compiled with ``data_parallel="fsdp"``, whose model ``optpass.fully_shard``
+sharded: forward reads each parameter through an all-gather of its shard (``all_gather_into_tensor``
+of a parameter placeholder, ``wait_tensor``, a slice and a view to the parameter's shape:
+``optpass/fsdp/gather.py``), and backward reads the gathered value again (a Linear's input
+gradient multiplies by its weight).
+Rewrite: for each such gather whose parameter was sharded with ``reshard_after_forward=True``, a
+copy of the whole chain (the all-gather, its wait and the views) is put before the first backward
+node that reads it, and every backward read is pointed at the copy. Then the gathers are
+prefetched one ahead, in forward and in backward: each all-gather starts just before the previous
+gather's wait, so parameter k+1 travels while parameter k's ops run.
+Effect: a gathered parameter dies after its last forward use and lives again only around its
+backward use, so at most the parameters in flight and in use are whole at any time (docs/design.md
+§39: the one graph holds forward and backward, so this is the recompute decision, taken the same way
+on every rank because every rank's graph is the same). One more all-gather per parameter; numerics
+unchanged (the same shards gathered twice).
+Refuses: nothing; skips a step that gathers no sharded parameter.
+
+    before:                                    after:
+      ag = all_gather_into_tensor(w_shard)       ag = all_gather_into_tensor(w_shard)
+      w = view(slice(wait_tensor(ag)))           w = view(slice(wait_tensor(ag)))
+      y = mm(x, t(w))                            y = mm(x, t(w))
+      ...                                        ...
+      gx = mm(gy, w)     # w alive until here    ag2 = all_gather_into_tensor(w_shard)
+                                                 w2 = view(slice(wait_tensor(ag2)))
+                                                 gx = mm(gy, w2)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from optpass.fsdp.shard import shard_spec
+from optpass.step import BACKWARD, FORWARD, REGION_KEY, StepGraph, is_view
+
+_c10d = torch.ops._c10d_functional
+# Inductor keeps the order this pass emits: its locality reordering would move every gather next to
+# its first use and its peak-memory reordering every wait next to its start (as for ZeRO-1, §25).
+INDUCTOR_CONFIG = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+
+
+def run(step: StepGraph, options) -> str | None:
+    if options.data_parallel != "fsdp":
+        return "data_parallel is not 'fsdp'"
+    gathers = parameter_gathers(step)
+    if not gathers:
+        return "the step gathers no parameter sharded by optpass.fully_shard"
+    order = {node: i for i, node in enumerate(step.graph.nodes)}
+    regathered = []
+    for start, name, spec in gathers:
+        if not spec.reshard_after_forward:
+            continue
+        copy = _regather_for_backward(step, start, order)
+        if copy is not None:
+            regathered.append((copy, name))
+    _prefetch_one_ahead(step, [start for start, _, _ in gathers])
+    _prefetch_one_ahead(step, [start for start, _ in regathered])
+    kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
+    step.notes.append(f"gathered in forward just before use, one ahead: {len(gathers)} parameter(s); gathered "
+                      f"again in backward: {len(regathered)}"
+                      + (f"; kept from forward to backward (reshard_after_forward=False): {', '.join(kept[:5])}"
+                         if kept else ""))
+    step.graph.lint()
+    return None
+
+
+def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]]:
+    """(all_gather node, parameter name, ShardSpec) for each forward all-gather of a sharded
+    parameter's placeholder, in graph order."""
+    tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
+    by_placeholder = {node: name for name, node in step.param_nodes.items()}
+    found = []
+    for node in step.graph.nodes:
+        if node.target is not _c10d.all_gather_into_tensor.default or step.region_of(node) != FORWARD:
+            continue
+        name = by_placeholder.get(node.args[0])
+        spec = shard_spec(tensors.get(name)) if name is not None else None
+        if spec is not None:
+            found.append((node, name, spec))
+    return found
+
+
+def _wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
+    return next((u for u in start.users if u.target is _c10d.wait_tensor.default), None)
+
+
+def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
+    """The wait and every view of it (views of views too), in graph order."""
+    chain, frontier = [wait], [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_view(user) and user.args and user.args[0] is node and user not in chain:
+                chain.append(user)
+                frontier.append(user)
+    return chain
+
+
+def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
+    wait = _wait_of(start)
+    if wait is None:
+        return None
+    chain = sorted(_chain(wait), key=lambda n: order[n])
+    members = set(chain)
+    readers = {(node, user) for node in chain for user in node.users
+               if user not in members and step.region_of(user) == BACKWARD}
+    if not readers:
+        return None
+    first = min((user for _, user in readers), key=lambda n: order[n])
+    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+    with step.graph.inserting_before(first):
+        mapping[start] = step.graph.node_copy(start)
+        for node in chain:
+            mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
+    for node in mapping.values():
+        node.meta[REGION_KEY] = BACKWARD
+    for node, user in readers:
+        user.replace_input_with(node, mapping[node])
+    return mapping[start]
+
+
+def _prefetch_one_ahead(step: StepGraph, starts: list[torch.fx.Node]) -> None:
+    """Start each all-gather (in graph order) just before the previous one's wait, where that wait
+    comes before it (its input is a placeholder, so it may start anywhere)."""
+    order = {node: i for i, node in enumerate(step.graph.nodes)}
+    starts = sorted(starts, key=lambda n: order[n])
+    for previous, start in zip(starts, starts[1:]):
+        wait = _wait_of(previous)
+        if wait is not None and order[wait] < order[start]:
+            wait.prepend(start)

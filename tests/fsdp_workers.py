@@ -1,0 +1,434 @@
+"""What each rank runs in tests/test_fsdp.py: fully sharded training beside one process, FSDP2, or a refusal.
+
+Every program is ``name(rank, world, workdir) -> dict`` and catches its own errors (``error`` holds the
+type and message), so one process group runs them all (``run_all``). The one-process reference
+trains the same model on the whole batch (every rank's rows), eagerly, in the same process.
+float64 programs set the default dtype, so that Adam's step counter is float64 too (a float32
+counter rounds the compiled bias correction differently from eager's Python float: docs/design.md §35).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import optpass
+
+STEPS = 20
+PER_RANK = 3
+
+
+def run_all(rank: int, world: int, names: list[str], workdir: str) -> dict:
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        torch.set_default_dtype(torch.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = globals()[name](rank, world, workdir)
+            except Exception as error:  # noqa: BLE001  (the test reads it)
+                result = {"error": (type(error).__name__, str(error), traceback.format_exc())}
+        print(f"rank {rank}: {name}: {str(result)[:300]}", flush=True)
+        result["warnings"] = [str(w.message) for w in caught if "torch.jit" not in str(w.message)]
+        results[name] = result
+        dist.barrier()
+    return results
+
+
+def batch(step: int, world: int, features: int = 7, outputs: int = 5, per_rank: int = PER_RANK):
+    """The whole batch of a step (every rank's rows): a rank trains on rows [rank * per_rank, ...)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = per_rank * world
+    return torch.randn(n, features, generator=g), torch.randn(n, outputs, generator=g)
+
+
+def mine(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    rows = tensor.shape[0] // world
+    return tensor[rank * rows:(rank + 1) * rows]
+
+
+def mlp() -> nn.Module:
+    """Uneven sizes on purpose: no parameter splits evenly over 2 or 3 ranks but the LayerNorm's."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 13), nn.LayerNorm(13), nn.Tanh(),
+                         nn.Linear(13, 5))
+
+
+def make_step(model, opt, loss_fn=F.mse_loss):
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def worst(full: dict, reference: nn.Module) -> float:
+    return max((full[name].double() - value.double()).abs().max().item()
+               for name, value in reference.state_dict().items())
+
+
+def fsdp_and_reference(make_model, make_opt):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    optpass.fully_shard(model)
+    return model, make_opt(model), reference, make_opt(reference)
+
+
+def train(rank, world, make_model, make_opt, steps=STEPS, batches=batch, **options):
+    """``steps`` steps of optpass fsdp on this rank's rows and of eager torch on the whole batch."""
+    model, opt, reference, ref_opt = fsdp_and_reference(make_model, make_opt)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", **options})
+    reference_step = make_step(reference, ref_opt)
+    losses = []
+    for i in range(steps):
+        x, y = batches(i, world)
+        loss = step(mine(x, rank, world), mine(y, rank, world))
+        reference_loss = reference_step(x, y)
+        full_loss = loss.clone()
+        dist.all_reduce(full_loss)
+        losses.append(abs(full_loss.item() / world - reference_loss.item()))
+    return model, opt, reference, {"vs_one_process": worst(optpass.full_state_dict(model), reference),
+                                   "loss": max(losses)}
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), weight_decay=0.1)
+
+
+def sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+                           weight_decay=0.01)
+
+
+# ---------------------------------------------------------------- equal to one process
+
+def equivalence(rank, world, workdir, configs=(("eager", False), ("eager", True), ("inductor", False),
+                                               ("inductor", True))):
+    """float64 AdamW, both lowerings, the update after backward and in it: 20 steps."""
+    torch.set_default_dtype(torch.float64)
+    results = {}
+    for lower, in_backward in configs:
+        if True:
+            torch._dynamo.reset()
+            model, opt, _, result = train(rank, world, mlp, adamw, lower=lower, optimizer_in_backward=in_backward)
+            shards = [p for p in model.parameters()]
+            result["resident"] = sum(p.numel() for p in shards)
+            result["full"] = sum(optpass.fsdp.shard_spec(p).numel for p in shards)
+            result["state"] = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+            results[f"{lower}-{in_backward}"] = result
+    return results
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's (GPT-2's wte / lm_head)."""
+
+    def __init__(self, vocab=11, width=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def equivalence_two_configs(rank, world, workdir):
+    """On 3 ranks: the update after backward in the eager lowering, in backward under Inductor."""
+    return equivalence(rank, world, workdir, configs=(("eager", False), ("inductor", True)))
+
+
+def tied_weights(rank, world, workdir):
+    torch.set_default_dtype(torch.float64)
+
+    def make():
+        torch.manual_seed(0)
+        return TiedLM()
+
+    def tokens(i, world):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randint(0, 11, (PER_RANK * world, 4), generator=g)
+        return x, torch.roll(x, 1, dims=1)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    model, opt, reference, ref_opt = fsdp_and_reference(make, adamw)
+    results = {"shards": len(list(model.parameters())), "reference_params": len(list(reference.parameters()))}
+    step = torch.compile(make_step(model, opt, loss_fn), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    for i in range(10):
+        x, y = tokens(i, world)
+        step(mine(x, rank, world), mine(y, rank, world))
+        make_step(reference, ref_opt, loss_fn)(x, y)
+    full = optpass.full_state_dict(model)
+    results["vs_one_process"] = worst(full, reference)
+    results["tied"] = model.head._parameters["weight"] is \
+        model.embed._parameters["weight"]
+    return results
+
+
+def frozen_and_dynamic(rank, world, workdir):
+    """A frozen first layer, and a batch size that changes every few steps (recompiles, symbolic)."""
+    torch.set_default_dtype(torch.float64)
+
+    def make():
+        model = mlp()
+        model[0].requires_grad_(False)
+        return model
+
+    def batches(i, world):
+        return batch(i, world, per_rank=(2, 3, 5)[i % 3])
+
+    _, _, _, result = train(rank, world, make, sgd, steps=9, batches=batches, optimizer_in_backward=True)
+    return result
+
+
+def accumulation(rank, world, workdir):
+    """Two micro-steps per update: after backward (micro-steps compiled without opt.step()) and with
+    optimizer_in_backward + accumulation_steps=2."""
+    torch.set_default_dtype(torch.float64)
+    results = {}
+    for in_backward in (False, True):
+        torch._dynamo.reset()
+        model, opt, reference, ref_opt = fsdp_and_reference(mlp, sgd)
+        options = {"optimizer": opt, "data_parallel": "fsdp"}
+        if in_backward:
+            options.update(optimizer_in_backward=True, accumulation_steps=2)
+
+        def micro(x, y):
+            loss = F.mse_loss(model(x), y) / 2
+            loss.backward()
+            return loss.detach()
+
+        def last(x, y):
+            loss = F.mse_loss(model(x), y) / 2
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+        compiled_micro = torch.compile(micro, backend="optpass", options=options)
+        compiled_last = torch.compile(last if not in_backward else micro, backend="optpass", options=options)
+        for i in range(6):
+            for k, run in enumerate((compiled_micro, compiled_last)):
+                x, y = batch(10 * i + k, world)
+                run(mine(x, rank, world), mine(y, rank, world))
+                (F.mse_loss(reference(x), y) / 2).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        results[in_backward] = worst(optpass.full_state_dict(model), reference)
+    return results
+
+
+def master_weights_bf16(rank, world, workdir):
+    """bf16 parameters, fp32 masters (of the shards), in backward: beside fp32 training of one process,
+    within bf16's rounding, every rank holding the same parameters."""
+    def make():
+        return mlp().to(torch.bfloat16)
+
+    model, opt, reference, _ = fsdp_and_reference(make, adamw)
+    reference = reference.float()
+    ref_opt = adamw(reference)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
+                                  "master_weights": torch.float32})
+    for i in range(10):
+        x, y = batch(i, world)
+        step(mine(x, rank, world).bfloat16(), mine(y, rank, world).bfloat16())
+        make_step(reference, ref_opt)(x, y)
+    masters = optpass.master_weights(opt)
+    return {"vs_fp32": worst(optpass.full_state_dict(model), reference),
+            "masters_fp32": all(m.dtype == torch.float32 for m in masters.values()) if masters else False,
+            "masters": sum(m.numel() for m in masters.values()) if masters else 0,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def against_fsdp2(rank, world, workdir):
+    """torch's FSDP2 (fully_shard per Linear and the root) + AdamW, eager, fp32, beside optpass fsdp
+    with the update in backward, Inductor: 20 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model, opt, theirs, _ = fsdp_and_reference(mlp, adamw)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in theirs:
+        if isinstance(layer, nn.Linear):
+            torch_fully_shard(layer, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    their_opt = adamw(theirs)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    their_step = make_step(theirs, their_opt)
+    for i in range(STEPS):
+        x, y = batch(i, world)
+        step(mine(x, rank, world), mine(y, rank, world))
+        their_step(mine(x, rank, world), mine(y, rank, world))
+    full = optpass.full_state_dict(model)
+    their_full = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value)
+                  for name, value in theirs.state_dict().items()}
+    return {"vs_fsdp2": max((full[n] - v).abs().max().item() for n, v in their_full.items())}
+
+
+def evaluation(rank, world, workdir):
+    """model(x) under no_grad outside the step gathers what it needs: the one-process output."""
+    torch.set_default_dtype(torch.float64)
+    model, _, reference, result = train(rank, world, mlp, sgd, steps=3, optimizer_in_backward=True)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        result["eager_eval"] = (model(x) - reference(x)).abs().max().item()
+        compiled = torch.compile(model, backend="optpass")
+        result["compiled_eval"] = (compiled(x) - reference(x)).abs().max().item()
+    return result
+
+
+# ---------------------------------------------------------------- checkpoints: saved on N, loaded on M
+
+def _checkpoint_run(rank, world, steps, workdir, load: bool, save: bool):
+    torch.set_default_dtype(torch.float64)
+    model = mlp()
+    optpass.fully_shard(model)
+    opt = adamw(model)
+    if load:
+        optpass.load_sharded_checkpoint(f"{workdir}/fsdp_checkpoint", opt, model=model)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    for i in steps:
+        x, y = batch(i, 1, per_rank=6)        # the same 6 rows on 2 ranks and on 3
+        step(mine(x, rank, world), mine(y, rank, world))
+    if save:
+        optpass.save_sharded_checkpoint(f"{workdir}/fsdp_checkpoint", opt, model=model)
+    return optpass.full_state_dict(model)
+
+
+def checkpoint_save(rank, world, workdir):
+    _checkpoint_run(rank, world, range(5), workdir, load=False, save=True)
+    return {"saved": True}
+
+
+def checkpoint_resume(rank, world, workdir):
+    """Load what 2 ranks saved after 5 steps, train 5 more on this world size: equal to 10 steps of
+    one process."""
+    full = _checkpoint_run(rank, world, range(5, 10), workdir, load=True, save=False)
+    reference = mlp()
+    ref_opt = adamw(reference)
+    for i in range(10):
+        x, y = batch(i, 1, per_rank=6)
+        make_step(reference, ref_opt)(x, y)
+    return {"vs_one_process": worst(full, reference)}
+
+
+# ---------------------------------------------------------------- refusals
+
+def _compile_and_run(model, opt, rank, world, **options):
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", **options})
+    x, y = batch(0, world)
+    step(mine(x, rank, world), mine(y, rank, world))
+    return {}
+
+
+def not_fully_sharded(rank, world, workdir):
+    model = mlp()
+    return _compile_and_run(model, adamw(model), rank, world)
+
+
+def optimizer_before_fully_shard(rank, world, workdir):
+    model = mlp()
+    opt = adamw(model)
+    optpass.fully_shard(model)
+    return _compile_and_run(model, opt, rank, world)
+
+
+def fully_sharded_without_the_option(rank, world, workdir):
+    model = mlp()
+    optpass.fully_shard(model)
+    opt = adamw(model)
+    step = torch.compile(make_step(model, opt), backend="optpass", options={"optimizer": opt})
+    x, y = batch(0, world)
+    step(mine(x, rank, world), mine(y, rank, world))
+    return {}
+
+
+def clip_grad_norm_in_the_step(rank, world, workdir):
+    model = mlp()
+    optpass.fully_shard(model)
+    opt = adamw(model)
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    step = torch.compile(train_step, backend="optpass", options={"optimizer": opt, "data_parallel": "fsdp"})
+    x, y = batch(0, world)
+    step(mine(x, rank, world), mine(y, rank, world))
+    return {}
+
+
+def elementwise_transform_in_the_step(rank, world, workdir):
+    """p.grad.mul_(0.5) on a shard is the shard of the halved gradient: trains as one process does."""
+    torch.set_default_dtype(torch.float64)
+    model, opt, reference, ref_opt = fsdp_and_reference(mlp, sgd)
+
+    def step_of(m, o):
+        def train_step(x, y):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            for p in m.parameters():
+                p.grad.mul_(0.5)
+            out = loss.detach()
+            o.step()
+            o.zero_grad()
+            return out
+        return train_step
+    step = torch.compile(step_of(model, opt), backend="optpass", options={"optimizer": opt, "data_parallel": "fsdp"})
+    for i in range(4):
+        x, y = batch(i, world)
+        step(mine(x, rank, world), mine(y, rank, world))
+        step_of(reference, ref_opt)(x, y)
+    return {"vs_one_process": worst(optpass.full_state_dict(model), reference)}
+
+
+def different_models(rank, world, workdir):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13 + rank), nn.Tanh(), nn.Linear(13 + rank, 5))
+    optpass.fully_shard(model)
+    return {}
+
+
+def options_differ(rank, world, workdir):
+    model = mlp()
+    optpass.fully_shard(model)
+    return _compile_and_run(model, adamw(model), rank, world, optimizer_in_backward=rank == 0)
+
+
+def non_elementwise_optimizer(rank, world, workdir):
+    model = mlp()
+    optpass.fully_shard(model)
+    return _compile_and_run(model, torch.optim.Adafactor(model.parameters(), lr=0.01), rank, world)
+
+
+def explain_an_fsdp_step(rank, world, workdir):
+    model = mlp()
+    optpass.fully_shard(model)
+    opt = adamw(model)
+    x, y = batch(0, world)
+    text = str(optpass.explain(make_step(model, opt), mine(x, rank, world), mine(y, rank, world),
+                               options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}))
+    return {"text": text}
+

@@ -1,0 +1,140 @@
+"""Fully sharded data parallel (optpass.fully_shard + data_parallel="fsdp") on 2 and 3 gloo ranks.
+
+Each program (tests/fsdp_workers.py) trains beside one process on the whole batch (float64, eager
+torch.optim), torch's FSDP2, or is refused; one process group per world size runs them all. The
+checkpoint saved on 2 ranks is resumed on 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fsdp_workers as workers
+from distributed import run_ranks, values
+
+TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "master_weights_bf16",
+       "against_fsdp2", "evaluation", "elementwise_transform_in_the_step", "checkpoint_save",
+       "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
+       "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step"]
+THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.fixture(scope="module")
+def two(workdir):
+    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120))
+
+
+@pytest.fixture(scope="module")
+def three(two, workdir):          # after two: it resumes two's checkpoint
+    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120))
+
+
+def _ok(result):
+    assert "error" not in result, result["error"][2] if "error" in result else result
+    return result
+
+
+def _error(result) -> tuple[str, str]:
+    assert "error" in result, result
+    return result["error"][:2]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_twenty_steps_equal_one_process_on_the_whole_batch_in_both_lowerings(two, three, world):
+    ranks, name = (two, "equivalence") if world == 2 else (three, "equivalence_two_configs")
+    for result in ranks:
+        for config, got in _ok(result[name]).items():
+            if config == "warnings":
+                continue
+            assert got["vs_one_process"] <= 1e-12, (config, got)
+            assert got["loss"] <= 1e-12, (config, got)
+            # each rank holds ceil(numel / N) of every parameter, and AdamW state for that only
+            assert got["resident"] <= 1.1 * got["full"] / world + 2 * 8, got
+            assert got["state"] == 2 * got["resident"], got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_weights_are_one_shard_gathered_for_each_use_with_one_gradient(two, three, world):
+    for result in (two if world == 2 else three):
+        got = _ok(result["tied_weights"])
+        assert got["tied"] and got["shards"] == got["reference_params"] == 3, got
+        assert got["vs_one_process"] <= 1e-12, got
+
+
+def test_frozen_parameters_and_changing_batch_sizes(two):
+    for result in two:
+        got = _ok(result["frozen_and_dynamic"])
+        assert got["vs_one_process"] <= 1e-12 and got["loss"] <= 1e-12, got
+
+
+def test_gradient_accumulation_after_backward_and_in_backward(two):
+    for result in two:
+        got = _ok(result["accumulation"])
+        assert not got["warnings"], got
+        assert got[False] <= 1e-12 and got[True] <= 1e-12, got
+
+
+def test_bf16_parameters_with_fp32_master_shards(two):
+    for result in two:
+        got = _ok(result["master_weights_bf16"])
+        assert got["masters_fp32"] and got["masters"] == got["params"], got     # masters of the shards only
+        assert got["vs_fp32"] <= 2e-2, got           # bf16's rounding of fp32 training
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_torch_fsdp2_in_fp32(two, three, world):
+    for result in (two if world == 2 else three):
+        assert _ok(result["against_fsdp2"])["vs_fsdp2"] <= 1e-5, result["against_fsdp2"]
+
+
+def test_evaluation_outside_the_step_gathers_what_it_needs(two):
+    for result in two:
+        got = _ok(result["evaluation"])
+        assert got["eager_eval"] <= 1e-12 and got["compiled_eval"] <= 1e-12, got
+
+
+def test_an_elementwise_gradient_transform_in_the_step_trains_as_one_process(two):
+    for result in two:
+        assert _ok(result["elementwise_transform_in_the_step"])["vs_one_process"] <= 1e-12
+
+
+def test_a_checkpoint_saved_on_two_ranks_resumes_on_three(two, three):
+    for result in two:
+        assert _ok(result["checkpoint_save"])["saved"]
+    for result in three:
+        assert _ok(result["checkpoint_resume"])["vs_one_process"] <= 1e-12, result["checkpoint_resume"]
+
+
+@pytest.mark.parametrize("program, kind, what", [
+    ("not_fully_sharded", "OptpassError", "on a model that was not passed to optpass.fully_shard"),
+    ("optimizer_before_fully_shard", "OptpassError", "it was built before fully_shard"),
+    ("fully_sharded_without_the_option", "OptpassError", "'data_parallel': 'fsdp'"),
+    ("clip_grad_norm_in_the_step", "OptpassError", "fsdp_workers.py"),
+    ("options_differ", "RanksDisagree", "option optimizer_in_backward is True on rank 0 but False on rank 1"),
+    ("non_elementwise_optimizer", "OptpassError", "Adafactor's update is not elementwise"),
+])
+def test_refusals_name_the_fix_on_every_rank(two, program, kind, what):
+    messages = set()
+    for result in two:
+        got_kind, message = _error(result[program])
+        assert got_kind == kind and what in message, message
+        messages.add(message)
+    assert len(messages) == 1
+
+
+def test_ranks_holding_different_models_fail_alike_before_any_collective(three):
+    messages = {_error(result["different_models"]) for result in three}
+    assert len(messages) == 1
+    kind, message = messages.pop()
+    assert kind == "RanksDisagree" and "(13, 7)" in message and "(14, 7)" in message, message
+
+
+def test_explain_says_what_is_gathered_and_when(two):
+    text = _ok(two[0]["explain_an_fsdp_step"])["text"]
+    assert "reshard_after_forward: applied" in text, text
+    assert "gathered again in backward" in text, text
