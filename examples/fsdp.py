@@ -14,6 +14,7 @@
 # ---
 
 # %% [markdown]
+#
 # %% [markdown]
 # # Fully sharded data parallel (ZeRO-3) with optpass
 #
