@@ -108,6 +108,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
 
     torch._dynamo.reset()
     gc.collect()
+    with live.mark(f"{variant}/before"):      # what earlier variants left alive (caches), not this one's
+        pass
     with live.mark(f"{variant}/build"):
         model, units = build(args)
         full_params = sum(p.numel() for p in model.parameters())
@@ -164,10 +166,12 @@ def rank_main(args) -> None:
     results = {variant: run_variant(variant, args, args.rank, args.world, live) for variant in args.variants}
     marks = live.stop()["marks"]
     for variant, result in results.items():
-        build, train = marks[f"{variant}/build"], marks[f"{variant}/train"]
-        # the training run's peak (absolute live bytes: what this variant holds, as nothing else is
-        # alive between variants); building the full model before sharding is reported beside it
-        result.update(peak_bytes=train["peak_bytes"], build_peak_bytes=build["peak_bytes"])
+        before, build, train = (marks[f"{variant}/{m}"] for m in ("before", "build", "train"))
+        # the training run's peak above what earlier variants in this process left alive (a user
+        # runs one); building the full model before sharding is reported beside it
+        left = before["end_bytes"]
+        result.update(peak_bytes=train["peak_bytes"] - left, build_peak_bytes=build["peak_bytes"] - left,
+                      left_by_earlier_variants_bytes=left)
     emit_result(results)
 
 

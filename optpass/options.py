@@ -269,16 +269,11 @@ def _check_fsdp(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("data_parallel='fsdp' needs the optimizer (built after optpass.fully_shard(model)): "
                            "options={'optimizer': opt, 'data_parallel': 'fsdp'}")
-    if options.clip_grad_norm is not None:
+    if options.clip_grad_norm is not None and not (options.optimizer_in_backward or options.master_weights):
         raise OptpassError(
-            "clip_grad_norm with data_parallel='fsdp' is not supported yet: the global norm needs the squared "
-            "norms of every rank's gradient shards summed across ranks. Train without clipping, or use "
-            "data_parallel='zero1' (every rank holds the parameters) with clip_grad_norm.")
-    if options.grad_scaler is not None:
-        raise OptpassError(
-            "grad_scaler with data_parallel='fsdp' is not supported yet: each rank checks only its gradient "
-            "shards for inf/nan, and the ranks must agree to skip a step. Use bf16 parameters (with "
-            "master_weights=torch.float32), or data_parallel='zero1' with grad_scaler.")
+            "clip_grad_norm with data_parallel='fsdp' clips a fused update: add optimizer_in_backward=True (the "
+            "global norm from a norm-only first backward, one all-reduce of a scalar) or master_weights; with "
+            "the update after backward alone the step would not clip.")
     _require_pass(options, "reshard_after_forward", "data_parallel='fsdp'")
 
 

@@ -432,3 +432,109 @@ def explain_an_fsdp_step(rank, world, workdir):
                                options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}))
     return {"text": text}
 
+
+
+# ---------------------------------------------------------------- Hugging Face models
+
+def _hf_train(rank, world, make, steps=8):
+    """A random-init Hugging Face causal LM, float64, 2 sequences per rank, labels = inputs: optpass
+    fsdp in backward (eager lowering) beside one process on the whole batch."""
+    torch.set_default_dtype(torch.float64)
+    model, opt, reference, ref_opt = fsdp_and_reference(make, adamw)
+
+    def step_of(m, o):
+        def train_step(tokens):
+            loss = m(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            out = loss.detach()
+            o.step()
+            o.zero_grad()
+            return out
+        return train_step
+    step = torch.compile(step_of(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
+                                  "lower": "eager"})
+    losses = []
+    for i in range(steps):
+        tokens = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(i))
+        loss = step(mine(tokens, rank, world))
+        reference_loss = step_of(reference, ref_opt)(tokens)
+        dist.all_reduce(loss)
+        losses.append(abs(loss.item() / world - reference_loss.item()))
+    return {"vs_one_process": worst(optpass.full_state_dict(model), reference), "loss": max(losses),
+            "shards": len(list(model.parameters())), "reference_params": len(list(reference.parameters()))}
+
+
+def hf_llama(rank, world, workdir):
+    import transformers
+
+    def make():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(config)
+    return _hf_train(rank, world, make)
+
+
+def hf_gpt2_tied(rank, world, workdir):
+    """GPT-2's lm_head.weight is wte.weight: one shard under both names."""
+    import transformers
+
+    def make():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0, loss_type="ForCausalLM")
+        return transformers.GPT2LMHeadModel(config)
+    result = _hf_train(rank, world, make)
+    return result
+
+
+def clip_in_backward(rank, world, workdir):
+    """clip_grad_norm with the update in backward: the global norm from every rank's squared shard
+    norms (a norm-only first backward, one all-reduce), beside eager clip_grad_norm_ in one process."""
+    torch.set_default_dtype(torch.float64)
+    results = {}
+    for lower in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model, opt, reference, ref_opt = fsdp_and_reference(mlp, adamw)
+        step = torch.compile(make_step(model, opt), backend="optpass",
+                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
+                                      "clip_grad_norm": 0.05, "lower": lower})
+        norms = []
+        for i in range(8):
+            x, y = batch(i, world)
+            step(mine(x, rank, world), mine(y, rank, world))
+            F.mse_loss(reference(x), y).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item())
+            ref_opt.step()
+            ref_opt.zero_grad()
+        results[lower] = {"vs_one_process": worst(optpass.full_state_dict(model), reference),
+                          "clipped": min(norms) > 0.05}
+    return results
+
+
+def fp16_scaler_with_an_inf_on_one_rank(rank, world, workdir):
+    """fp16 parameters, fp32 master shards, a GradScaler, the update in backward; at step 2 rank 1's
+    batch holds an inf: every rank skips that step (one agreed flag) and backs the scale off alike."""
+    model, opt, _, _ = fsdp_and_reference(lambda: mlp().half(), adamw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
+                                  "master_weights": torch.float32, "grad_scaler": scaler})
+    before_skip = after_skip = None
+    for i in range(4):
+        x, y = batch(i, world)
+        x = mine(x, rank, world).half()
+        if i == 2 and rank == 1:
+            x[0, 0] = float("inf")
+        if i == 2:
+            before_skip = optpass.full_state_dict(model)
+        step(x, mine(y, rank, world).half())
+        if i == 2:
+            after_skip = optpass.full_state_dict(model)
+    unchanged = max((after_skip[k].float() - before_skip[k].float()).abs().max().item() for k in before_skip)
+    moved = max((optpass.full_state_dict(model)[k].float() - after_skip[k].float()).abs().max().item()
+                for k in after_skip)
+    return {"skipped": optpass.skipped_steps(scaler), "scale": scaler.get_scale(), "unchanged": unchanged,
+            "moved": moved}

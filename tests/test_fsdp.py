@@ -15,7 +15,8 @@ from distributed import run_ranks, values
 TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "master_weights_bf16",
        "against_fsdp2", "evaluation", "elementwise_transform_in_the_step", "checkpoint_save",
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
-       "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step"]
+       "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
+       "hf_llama", "hf_gpt2_tied", "clip_in_backward", "fp16_scaler_with_an_inf_on_one_rank"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
 
 
@@ -138,3 +139,29 @@ def test_explain_says_what_is_gathered_and_when(two):
     text = _ok(two[0]["explain_an_fsdp_step"])["text"]
     assert "reshard_after_forward: applied" in text, text
     assert "gathered again in backward" in text, text
+
+
+@pytest.mark.parametrize("program", ["hf_llama", "hf_gpt2_tied"])
+def test_hugging_face_llama_and_gpt2_with_tied_embeddings_equal_one_process(two, program):
+    for result in two:
+        got = _ok(result[program])
+        assert got["shards"] == got["reference_params"], got         # GPT-2's wte / lm_head: one shard
+        assert got["vs_one_process"] <= 1e-12, got
+        assert got["loss"] <= 1e-6, got           # transformers computes the loss in float32
+
+
+def test_clip_grad_norm_in_backward_clips_by_the_global_norm_of_the_shards(two):
+    for result in two:
+        for lower in ("eager", "inductor"):
+            got = _ok(result["clip_in_backward"])[lower]
+            assert got["clipped"], got          # every step clipped: the norm is not one rank's part
+            assert got["vs_one_process"] <= 1e-12, (lower, got)
+
+
+def test_an_inf_on_one_rank_skips_every_ranks_step_under_a_grad_scaler(two):
+    scales = set()
+    for result in two:
+        got = _ok(result["fp16_scaler_with_an_inf_on_one_rank"])
+        assert got["skipped"] == 1 and got["unchanged"] == 0.0 and got["moved"] > 0, got
+        scales.add(got["scale"])
+    assert scales == {2.0 ** 7}        # backed off once, alike on every rank

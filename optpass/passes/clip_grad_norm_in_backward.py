@@ -25,6 +25,10 @@ cast to fp32 first, so the norm and the clipping are those of the fp32 gradients
 (Megatron's main gradients); with grad_scaler they are already unscaled
 (Megatron's order: unscale, check for inf/nan, clip, update).
 
+Under data_parallel='fsdp' each gradient is this rank's shard (averaged over the ranks): the sum
+of squared norms is all-reduced (one scalar) before the coefficient, so every rank clips by the
+global norm.
+
 Effect: the same parameters as eager ``clip_grad_norm_(params, max_norm)``
 followed by ``opt.step()`` (of the fp32 master gradients with master_weights),
 with gradient memory still about one gradient inside backward; that costs one
@@ -41,11 +45,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from optpass.errors import OptpassError
+from optpass.fsdp.shard import shard_spec
 from optpass.passes._graph_utils import (MASTER_UPDATE, OPTIMIZER_UPDATE, clip_coefficient, first_backward,
                                          gradient_value, in_graph_order, reduce_after, replacing_gradient,
                                          squared_norm, sum_all)
 
 aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 convert_element_type = torch.ops.prims.convert_element_type.default
 
 
@@ -59,6 +66,22 @@ def run(step, options) -> str | None:
     clip_fused_gradients(step, list(plan.harvested.updates), float(plan.clip_grad_norm),
                          in_backward=plan.in_backward, to_fp32=masters)
     return None
+
+
+def summed_over_the_ranks_shards(step, names: list[str], local: torch.fx.Node) -> torch.fx.Node:
+    """Under data_parallel='fsdp' each gradient here is this rank's shard: the global squared norm is
+    the sum of every rank's (one all-reduce of a scalar; the padding is zero). Else ``local``."""
+    tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
+    specs = [shard_spec(tensors.get(name)) for name in names]
+    groups = {spec.group_name for spec in specs if spec is not None}
+    if not groups:
+        return local
+    if len(groups) > 1 or None in specs:
+        raise OptpassError("clip_grad_norm with data_parallel='fsdp': the clipped parameters are sharded over "
+                           "several process groups, or some are not sharded; shard every model the step trains "
+                           "with one optpass.fully_shard process group.")
+    total = step.emit(_c10d.all_reduce.default, local, "sum", groups.pop())
+    return step.emit(_c10d.wait_tensor.default, total)
 
 
 def fused_update_plan(step):
@@ -88,7 +111,8 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
         squares = [reduce_after(step, value, squared_norm) for value in in_graph_order(graph, values.values())]
         at = step.output_node
     with graph.inserting_before(at):
-        coef = clip_coefficient(emit, emit(aten.sqrt.default, sum_all(emit, squares)), max_norm)
+        total = summed_over_the_ranks_shards(step, names, sum_all(emit, squares))
+        coef = clip_coefficient(emit, emit(aten.sqrt.default, total), max_norm)
     # Each fused gradient is scaled before its update reads it: inside backward right after the
     # gradient (every reader of it reads the clipped one); after backward at the end, where only
     # the update reads it (Dynamo's copy into .grad, before it, is dropped with the gradient output).

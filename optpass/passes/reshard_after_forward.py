@@ -33,6 +33,7 @@ import torch
 import torch.fx
 
 from optpass.fsdp.shard import shard_spec
+from optpass.passes._graph_utils import FIRST_BACKWARD
 from optpass.step import BACKWARD, FORWARD, REGION_KEY, StepGraph, is_view
 
 _c10d = torch.ops._c10d_functional
@@ -52,8 +53,7 @@ def run(step: StepGraph, options) -> str | None:
     for start, name, spec in gathers:
         if not spec.reshard_after_forward:
             continue
-        copy = _regather_for_backward(step, start, order)
-        if copy is not None:
+        for copy in _regather_for_backward(step, start, order) or ():
             regathered.append((copy, name))
     _prefetch_one_ahead(step, [start for start, _, _ in gathers])
     _prefetch_one_ahead(step, [start for start, _ in regathered])
@@ -98,7 +98,7 @@ def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
-def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
+def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -> list[torch.fx.Node] | None:
     wait = _wait_of(start)
     if wait is None:
         return None
@@ -108,17 +108,26 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -
                if user not in members and step.region_of(user) == BACKWARD}
     if not readers:
         return None
-    first = min((user for _, user in readers), key=lambda n: order[n])
-    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
-    with step.graph.inserting_before(first):
-        mapping[start] = step.graph.node_copy(start)
-        for node in chain:
-            mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
-    for node in mapping.values():
-        node.meta[REGION_KEY] = BACKWARD
-    for node, user in readers:
-        user.replace_input_with(node, mapping[node])
-    return mapping[start]
+    # A norm-only first backward (clip_grad_norm, grad_scaler in backward) reads the parameter in
+    # a backward of its own: it gets a gather of its own, so none lives from one backward to the next.
+    first_pass = set(getattr(step.context.get(FIRST_BACKWARD), "copies", {}).values())
+    starts = []
+    for cluster in (True, False):
+        mine = {(node, user) for node, user in readers if (user in first_pass) is cluster}
+        if not mine:
+            continue
+        first = min((user for _, user in mine), key=lambda n: order[n])
+        mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+        with step.graph.inserting_before(first):
+            mapping[start] = step.graph.node_copy(start)
+            for node in chain:
+                mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
+        for node in mapping.values():
+            node.meta[REGION_KEY] = BACKWARD
+        for node, user in mine:
+            user.replace_input_with(node, mapping[node])
+        starts.append(mapping[start])
+    return starts
 
 
 def _prefetch_one_ahead(step: StepGraph, starts: list[torch.fx.Node]) -> None:
