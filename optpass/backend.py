@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
-                             warn_backward_outside, warn_if_update_recompiles)
+                             module_buffers, warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import replaced_name, shard_spec
 from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
@@ -32,7 +32,7 @@ from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
 from optpass.zero1.agreement import RanksDisagree, agree, announce_refusal, announce_undistributed, several_ranks
-from optpass.zero1.state import sharded_state, signature
+from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signature
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
 # module before Dynamo traces anything, so backward() is captured from the first call.
@@ -107,12 +107,13 @@ def _compile(gm, example_inputs, options, mode):
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
     if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
-        return lowering.lower(gm, example_inputs, {}, captured=captured, options=options)
+        return _with_rank_zeros_buffers(lowering.lower(gm, example_inputs, {}, captured=captured, options=options),
+                                        gm, captured, options)
     runtime.check(gm, captured, options)
     lower = functools.partial(lowering.lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
         plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
-        return runtime.step(gm, captured, options, plain, lower)
+        return _with_rank_zeros_buffers(runtime.step(gm, captured, options, plain, lower), gm, captured, options)
     # a micro-step of gradient accumulation (backward, no opt.step()): its gradients stay in .grad
     # for the step that follows; under a grad_scaler its backward is of loss * scale
     micro_step = (ScaledMicroStep(gm, captured, options, lower) if _scaled_micro_step(captured, options)
@@ -120,7 +121,7 @@ def _compile(gm, example_inputs, options, mode):
     if options.data_parallel == "zero1" and captured.kind is GraphKind.STEP:
         replicas = sharded_state(options.optimizer).replicas
         return lambda *args: replicas.run(micro_step, args, micro_step=True)   # rank 0's buffers, as DDP
-    return micro_step
+    return _with_rank_zeros_buffers(micro_step, gm, captured, options, micro=True)
 
 
 _warned_undistributed = False
@@ -213,6 +214,24 @@ def _agree_on_the_fsdp_step(captured, options) -> None:
             f"whole parameter, and each rank updates only its shard (a flat 1/N of each parameter) with {name}. "
             "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under fsdp.")
     _FSDP_AGREED[optimizer] = True
+
+
+_FSDP_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()     # optimizer -> its step's Replicas
+
+
+def _with_rank_zeros_buffers(call, gm, captured, options, micro: bool = False):
+    """Under data_parallel='fsdp' the buffers a training step writes (BatchNorm's running
+    statistics) are rank 0's before every step, as DDP keeps them (and zero1): made at the first
+    compile of a step, which every rank reaches together, and kept for the optimizer's later
+    compiles (a recompile may happen on some ranks only)."""
+    if options.data_parallel != "fsdp" or captured.kind is not GraphKind.STEP:
+        return call
+    replicas = _FSDP_BUFFERS.get(options.optimizer)
+    if replicas is None:
+        params = [p for group in options.optimizer.param_groups for p in group["params"]]
+        group = shard_spec(params[0]).group
+        replicas = _FSDP_BUFFERS[options.optimizer] = Replicas(ProcessGroupInfo.of(group), module_buffers(gm))
+    return lambda *args: replicas.run(call, args, micro_step=micro)
 
 
 def _check_zero1(gm, captured, options) -> None:

@@ -451,8 +451,9 @@ def check_fsdp(captured: CapturedGraph, options) -> None:
             "that reads a whole gradient or mixes parameters (a norm, a sum, clip_grad_norm_). Under fsdp "
             "each rank holds 1/N of every gradient (its shard, averaged over the ranks), so this code would "
             "see one rank's part only. Element-by-element transforms of p.grad are fine (p.grad.mul_, "
-            "clamp_); remove this one (scale the loss instead), or train with data_parallel='zero1' "
-            "(clip_grad_norm is an option there).")
+            "clamp_). For global-norm clipping remove clip_grad_norm_ and pass options={..., "
+            "'optimizer_in_backward': True, 'clip_grad_norm': max_norm} (the norm of every rank's shards); "
+            "otherwise remove the transform (scale the loss instead).")
 
 
 def _refuse_gradients_outside_the_optimizer(captured, options) -> None:

@@ -538,3 +538,68 @@ def fp16_scaler_with_an_inf_on_one_rank(rank, world, workdir):
                 for k in after_skip)
     return {"skipped": optpass.skipped_steps(scaler), "scale": scaler.get_scale(), "unchanged": unchanged,
             "moved": moved}
+
+
+class ScaledMLP(nn.Module):
+    """An MLP with a 0-d parameter (a learned output scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def groups_by_dim(rank, world, workdir):
+    """nanoGPT's param groups: weight decay on parameters with p.dim() >= 2 only. A shard keeps its
+    parameter's number of dimensions, so the groups are the ones the full model gets."""
+    torch.set_default_dtype(torch.float64)
+
+    def make():
+        torch.manual_seed(0)
+        return ScaledMLP()
+
+    def grouped(model):
+        params = list(model.parameters())
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                 lr=torch.tensor(0.01))
+
+    model, opt, reference, ref_opt = fsdp_and_reference(make, grouped)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    for i in range(6):
+        x, y = batch(i, world)
+        step(mine(x, rank, world), mine(y, rank, world))
+        make_step(reference, ref_opt)(x, y)
+    return {"groups": [len(g["params"]) for g in opt.param_groups],
+            "reference_groups": [len(g["params"]) for g in ref_opt.param_groups],
+            "vs_one_process": worst(optpass.full_state_dict(model), reference)}
+
+
+def batchnorm_as_ddp(rank, world, workdir):
+    """BatchNorm in train mode: its running statistics are rank 0's before every step, as DDP keeps
+    them; every rank's parameters and buffers equal DDP's, the update after backward and in it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_default_dtype(torch.float64)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(7, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 5))
+
+    results = {}
+    for in_backward in (False, True):
+        torch._dynamo.reset()
+        model, opt, reference, ref_opt = fsdp_and_reference(make, sgd)
+        ddp = DistributedDataParallel(reference)
+        step = torch.compile(make_step(model, opt), backend="optpass",
+                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": in_backward})
+        for i in range(5):
+            x, y = batch(i, world)
+            step(mine(x, rank, world), mine(y, rank, world))
+            make_step(ddp, ref_opt)(mine(x, rank, world), mine(y, rank, world))
+        results[in_backward] = worst(optpass.full_state_dict(model), reference)
+    return results

@@ -16,7 +16,8 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "against_fsdp2", "evaluation", "elementwise_transform_in_the_step", "checkpoint_save",
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
-       "hf_llama", "hf_gpt2_tied", "clip_in_backward", "fp16_scaler_with_an_inf_on_one_rank"]
+       "hf_llama", "hf_gpt2_tied", "clip_in_backward", "fp16_scaler_with_an_inf_on_one_rank",
+       "groups_by_dim", "batchnorm_as_ddp"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
 
 
@@ -138,7 +139,11 @@ def test_ranks_holding_different_models_fail_alike_before_any_collective(three):
 def test_explain_says_what_is_gathered_and_when(two):
     text = _ok(two[0]["explain_an_fsdp_step"])["text"]
     assert "reshard_after_forward: applied" in text, text
-    assert "gathered again in backward" in text, text
+    assert "all-gathered again in backward just before backward reads them" in text, text
+    again = next(line for line in text.splitlines() if "all-gathered again in backward" in line)
+    assert "2.weight" in again and "5.weight" in again and "0.weight" not in again, again   # layer 0: no input grad
+    assert "8 reduce-scatter(s)" in text, text
+    assert "shard_optimizer: skipped (data_parallel is 'fsdp'" in text, text
 
 
 @pytest.mark.parametrize("program", ["hf_llama", "hf_gpt2_tied"])
@@ -165,3 +170,16 @@ def test_an_inf_on_one_rank_skips_every_ranks_step_under_a_grad_scaler(two):
         assert got["skipped"] == 1 and got["unchanged"] == 0.0 and got["moved"] > 0, got
         scales.add(got["scale"])
     assert scales == {2.0 ** 7}        # backed off once, alike on every rank
+
+
+def test_a_shard_keeps_its_parameters_dimensions_so_groups_by_dim_are_right(two):
+    for result in two:
+        got = _ok(result["groups_by_dim"])
+        assert got["groups"] == got["reference_groups"] == [3, 6], got   # a 0-d parameter included
+        assert got["vs_one_process"] <= 1e-12, got
+
+
+def test_batchnorm_running_statistics_are_rank_zeros_as_under_ddp(two):
+    for result in two:
+        got = _ok(result["batchnorm_as_ddp"])
+        assert got[False] <= 1e-12 and got[True] <= 1e-12, got

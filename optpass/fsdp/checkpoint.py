@@ -4,11 +4,11 @@
 every rank, the form ``torch.save``, a single-process model's ``load_state_dict`` or an evaluation
 job take. ``load_full_state_dict`` is its inverse (each rank keeps its shard of each tensor).
 
-A DCP checkpoint stores each parameter, and each elementwise optimizer state entry of it, as the
-flat tensor of ``numel`` elements a single process would flatten it to, written as a
-``ShardedTensor`` whose local shard is a view of this rank's valid elements (the padding is not
-saved): DCP writes and reads in place, without gathering, and reads overlapping pieces, so a
-checkpoint saved on N ranks loads on any M. Per-parameter scalars (Adam's ``step``) are saved by
+A DCP checkpoint stores each parameter, and each elementwise optimizer state entry of it, in the
+parameter's full shape, written as a ``ShardedTensor`` whose local shard is a view of this rank's
+valid rows (the padding is not saved): DCP writes and reads in place, without gathering, and reads
+overlapping pieces, so a checkpoint saved on N ranks loads on any M. A 0-d parameter is saved as
+one element. Per-parameter scalars (Adam's ``step``) are saved by
 each rank that holds a piece (DCP keeps one), hyper-parameters as the user's ``param_groups`` with
 parameter names. ``save_sharded_checkpoint``/``load_sharded_checkpoint`` take a ZeRO-1 optimizer
 too and hand it to ``optpass.zero1.checkpoint``.
@@ -61,9 +61,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gathered(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    pieces = torch.empty(spec.chunk * spec.world, dtype=shard.dtype, device=shard.device)
+    pieces = torch.empty(spec.chunk * spec.world, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
     dist.all_gather_single(pieces, shard.contiguous(), group=spec.group)
-    return pieces[:spec.numel].view(spec.shape).clone()
+    return pieces[:spec.rows].reshape(spec.shape).clone()
 
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -94,7 +94,8 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
                 target.copy_(value)
             else:
                 target.zero_()
-                target[:spec.valid].copy_(value.reshape(-1)[spec.offset:spec.offset + spec.valid])
+                rows = value.reshape(spec.rows, *target.shape[1:])
+                target[:spec.valid].copy_(rows[spec.offset:spec.offset + spec.valid])
 
 
 def is_fully_sharded_optimizer(optimizer) -> bool:
@@ -104,18 +105,21 @@ def is_fully_sharded_optimizer(optimizer) -> bool:
 
 
 def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
-    """The flat parameter of ``spec.numel`` elements, this rank's valid elements as its local shard."""
+    """The parameter in its full shape (a 0-d one as one element), this rank's valid rows as its
+    local shard."""
+    shape = spec.saved_shape
     placements, mine = [], None
     for rank in range(spec.world):
-        start = min(rank * spec.chunk, spec.numel)
-        size = max(0, min(spec.chunk, spec.numel - start))
+        start = min(rank * spec.chunk, spec.rows)
+        size = max(0, min(spec.chunk, spec.rows - start))
         if size == 0:
             continue
-        placement = ShardMetadata([start], [size], f"rank:{dist.get_global_rank(spec.group, rank)}/{piece.device}")
+        placement = ShardMetadata([start] + [0] * (len(shape) - 1), [size, *shape[1:]],
+                                  f"rank:{dist.get_global_rank(spec.group, rank)}/{piece.device}")
         placements.append(placement)
         if rank == spec.rank:
             mine = placement
-    metadata = ShardedTensorMetadata(placements, torch.Size([spec.numel]),
+    metadata = ShardedTensorMetadata(placements, torch.Size(shape),
                                      TensorProperties(dtype=piece.dtype, requires_grad=False))
     local = [Shard(piece[:spec.valid], mine)] if mine is not None else []
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=spec.group)
@@ -124,7 +128,7 @@ def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
 def _state_entry(value, spec: ShardSpec, name: str, key: str):
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value                                   # Adam's step, or a non-tensor entry
-    if tuple(value.shape) != (spec.chunk,):
+    if tuple(value.shape) != spec.shard_shape:
         raise OptpassError(f"fsdp checkpoint: optimizer state {key!r} of {name} has shape {tuple(value.shape)}, "
                            "not the shard's; only elementwise optimizer state can be saved sharded.")
     return _sharded_tensor(value, spec)
@@ -243,7 +247,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             p, spec = by_name[name], shard_spec(by_name[name])
             size = tuple(getattr(md, "size", ()) or ())
             target = fresh.setdefault(p, {})
-            if size == (spec.numel,):
+            if size == spec.saved_shape:
                 target[key] = torch.zeros_like(p.detach())
                 entries.setdefault(name, {})[key] = _sharded_tensor(target[key], spec)
             else:

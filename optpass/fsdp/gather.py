@@ -1,8 +1,8 @@
 """The all-gather of a shard whose gradient is the reduce-scatter onto it, as one autograd function.
 
-Forward: ``all_gather_into_tensor`` of every rank's shard, the padding cut off, viewed in the
-parameter's shape. Backward: the full gradient flattened, padded, ``reduce_scatter_tensor`` (sum)
-onto this rank's shard, divided by the number of ranks (each rank's loss is a mean over its own
+Forward: ``all_gather_into_tensor`` of every rank's shard (its rows of the parameter, along dim 0),
+the padding rows cut off, in the parameter's shape. Backward: the full gradient padded with zero
+rows, ``reduce_scatter_tensor`` (sum) onto this rank's rows, divided by the number of ranks (each rank's loss is a mean over its own
 batch, so the average is the gradient of the mean over all of them, as DDP's). A bf16/fp16 gradient
 is summed in fp32 (docs/design.md §27) and rounded once.
 
@@ -23,25 +23,26 @@ HALF = (torch.bfloat16, torch.float16)
 class _GatherShard(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, shard, numel: int, shape: tuple, world: int, group_name: str):
-        ctx.numel, ctx.world, ctx.group_name = numel, world, group_name
+    def forward(ctx, shard, rows: int, shape: tuple, world: int, group_name: str):
+        ctx.rows, ctx.world, ctx.group_name = rows, world, group_name
         full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world, group_name))
-        return full[:numel].view(shape)
+        return full[:rows].view(shape)
 
     @staticmethod
     def backward(ctx, grad):
-        flat = grad.reshape(-1)
-        dtype = flat.dtype
+        dtype = grad.dtype
+        rows = grad.reshape(ctx.rows, *grad.shape[1:]) if grad.dim() else grad.reshape(1)
         if dtype in HALF:
-            flat = flat.float()
-        chunk = max(1, -(-ctx.numel // ctx.world))
-        if chunk * ctx.world != ctx.numel:
-            flat = torch.nn.functional.pad(flat, (0, chunk * ctx.world - ctx.numel))
-        summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ctx.world, ctx.group_name))
+            rows = rows.float()
+        per_rank = max(1, -(-ctx.rows // ctx.world))
+        if per_rank * ctx.world != ctx.rows:
+            rows = torch.cat([rows, rows.new_zeros(per_rank * ctx.world - ctx.rows, *rows.shape[1:])])
+        summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rows, "sum", ctx.world, ctx.group_name))
         return (summed / ctx.world).to(dtype), None, None, None, None
 
 
-def gather(shard: torch.Tensor, numel: int, shape: tuple, world: int, group_name: str) -> torch.Tensor:
-    """The full parameter (``numel`` elements, ``shape``) gathered from the ``world`` ranks' shards
-    of the process group ``group_name``; backward reduces its gradient onto ``shard``, averaged."""
-    return _GatherShard.apply(shard, numel, shape, world, group_name)
+def gather(shard: torch.Tensor, rows: int, shape: tuple, world: int, group_name: str) -> torch.Tensor:
+    """The full parameter (``shape``, ``rows`` rows along dim 0; 1 for a 0-d one) gathered from the
+    ``world`` ranks' shards of the process group ``group_name``; backward reduces its gradient onto
+    ``shard``, averaged."""
+    return _GatherShard.apply(shard, rows, shape, world, group_name)

@@ -1,10 +1,12 @@
 """``fully_shard``: each rank keeps its shard of every parameter; the module gathers on use.
 
 How a parameter is held (docs/design.md §38, §42): the registered parameter *is* this rank's shard,
-a 1-D tensor of ``ceil(numel / N)`` elements cut from the flattened full parameter padded with zeros
-to ``N * ceil(numel / N)``. Its shape never changes, so the step's graph inputs and Dynamo's guards
-stay stable, ``model.parameters()`` yields shards (an optimizer built afterwards keeps state for the
-shards only) and ``model.state_dict()`` holds shards under the parameters' own names.
+its ``ceil(rows / N)`` rows along dim 0 of the full parameter padded with zero rows to a multiple of
+N (a 0-d parameter counts as one row), as ``torch.chunk`` and DTensor's ``Shard(0)`` split it. Its
+shape never changes, so the step's graph inputs and Dynamo's guards stay stable; it keeps the
+parameter's number of dimensions (param groups chosen by ``p.dim()`` stay right);
+``model.parameters()`` yields shards (an optimizer built afterwards keeps state for the shards
+only) and ``model.state_dict()`` holds shards under the parameters' own names.
 
 Reading the parameter through its module (``linear.weight``) gathers it: the module's class is
 swapped for a subclass whose property of that name returns ``gather(shard)``, an all-gather of the
@@ -41,8 +43,9 @@ class ShardSpec:
         name: the parameter's name in the module passed to ``fully_shard`` (the first, if tied).
         shape: the full parameter's shape.
         numel: its number of elements.
-        chunk: elements per rank (``ceil(numel / world)``); rank r holds ``[r * chunk, (r + 1) * chunk)``
-            of the flattened, zero-padded full parameter.
+        rows: its rows along dim 0 (1 for a 0-d parameter).
+        chunk: rows per rank (``ceil(rows / world)``); rank r holds rows ``[r * chunk, (r + 1) * chunk)``
+            of the full parameter padded with zero rows.
         world: the number of ranks of the group.
         rank: this rank in the group.
         group: the process group.
@@ -52,6 +55,7 @@ class ShardSpec:
     name: str
     shape: tuple[int, ...]
     numel: int
+    rows: int
     chunk: int
     world: int
     rank: int
@@ -64,13 +68,23 @@ class ShardSpec:
 
     @property
     def valid(self) -> int:
-        """How many of this rank's ``chunk`` elements belong to the parameter (the rest is padding)."""
-        return max(0, min(self.chunk, self.numel - self.rank * self.chunk))
+        """How many of this rank's ``chunk`` rows belong to the parameter (the rest is padding)."""
+        return max(0, min(self.chunk, self.rows - self.rank * self.chunk))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """The shape of every rank's shard: ``chunk`` rows of the parameter."""
+        return (self.chunk, *self.shape[1:])
+
+    @property
+    def saved_shape(self) -> tuple[int, ...]:
+        """The shape a checkpoint stores: the parameter's, a 0-d one as one element."""
+        return self.shape if self.shape else (1,)
 
     @property
     def offset(self) -> int:
-        """Where this rank's elements start in the flattened parameter."""
-        return min(self.rank * self.chunk, self.numel)
+        """The first of this rank's rows in the parameter."""
+        return min(self.rank * self.chunk, self.rows)
 
 
 _SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()       # shard parameter -> ShardSpec
@@ -100,7 +114,7 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
     """Shard every parameter of ``module`` over the ranks of a process group (ZeRO-3).
 
     Call it on every rank, after the model is built and before the optimizer. Each rank then keeps
-    only its shard of each parameter (a flat 1-D tensor of ``ceil(numel / N)`` elements; rank 0's
+    only its shard of each parameter (its ``ceil(rows / N)`` rows along dim 0, zero-padded; rank 0's
     values, so every rank starts from the same model, as DDP does); ``module.parameters()`` yields
     the shards, so the optimizer built afterwards keeps state for the shards only. Reading a
     parameter through its module (``module.weight``) gathers it from every rank: the forward of a
@@ -147,10 +161,10 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
             continue
         gathering = dict(getattr(sub, GATHER_ARGS, {}))
         for n in local:
-            _REPLACED[sub._parameters[n]] = n
+            _REPLACED[sub._parameters[n]] = _SPECS[shards[id(sub._parameters[n])]].name
             shard = sub._parameters[n] = shards[id(sub._parameters[n])]
             spec = _SPECS[shard]
-            gathering[n] = (spec.numel, spec.shape, spec.world, spec.group_name)
+            gathering[n] = (spec.rows, spec.shape, spec.world, spec.group_name)
         # plain values on the module, which Dynamo reads as constants (a WeakIdKeyDictionary lookup
         # in the property would break the graph)
         object.__setattr__(sub, GATHER_ARGS, gathering)
@@ -162,11 +176,13 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     """Rank 0's value of ``full``, this rank's chunk of it as a new parameter."""
     value = full.detach().clone()
     dist.broadcast(value, dist.get_global_rank(group, 0), group=group)
-    numel = value.numel()
-    chunk = max(1, math.ceil(numel / world))
-    flat = torch.nn.functional.pad(value.reshape(-1), (0, chunk * world - numel))
-    shard = torch.nn.Parameter(flat[rank * chunk:(rank + 1) * chunk].clone(), requires_grad=full.requires_grad)
-    _SPECS[shard] = ShardSpec(name, tuple(value.shape), numel, chunk, world, rank, group, reshard_after_forward)
+    rows_of = value.reshape(1) if value.dim() == 0 else value
+    rows = rows_of.shape[0]
+    chunk = max(1, math.ceil(rows / world))
+    padded = torch.cat([rows_of, rows_of.new_zeros(chunk * world - rows, *rows_of.shape[1:])])
+    shard = torch.nn.Parameter(padded[rank * chunk:(rank + 1) * chunk].clone(), requires_grad=full.requires_grad)
+    _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
+                              reshard_after_forward)
     return shard
 
 

@@ -58,10 +58,15 @@ def run(step: StepGraph, options) -> str | None:
     _prefetch_one_ahead(step, [start for start, _, _ in gathers])
     _prefetch_one_ahead(step, [start for start, _ in regathered])
     kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
-    step.notes.append(f"gathered in forward just before use, one ahead: {len(gathers)} parameter(s); gathered "
-                      f"again in backward: {len(regathered)}"
-                      + (f"; kept from forward to backward (reshard_after_forward=False): {', '.join(kept[:5])}"
-                         if kept else ""))
+    reduced = sum(1 for n in step.graph.nodes if n.target is _c10d.reduce_scatter_tensor.default)
+    step.notes.append(f"all-gathered in forward just before first use, each started before the previous one's "
+                      f"wait: {_names(name for _, name, _ in gathers)}")
+    step.notes.append(f"all-gathered again in backward just before backward reads them (the forward's copy "
+                      f"died after its last forward use): {_names(name for _, name in regathered) or 'none'}")
+    if kept:
+        step.notes.append(f"kept from forward to backward (reshard_after_forward=False): {_names(kept)}")
+    step.notes.append(f"reduce-scattered onto this rank's shard as each gradient is final in backward: "
+                      f"{reduced} reduce-scatter(s)")
     step.graph.lint()
     return None
 
@@ -139,3 +144,9 @@ def _prefetch_one_ahead(step: StepGraph, starts: list[torch.fx.Node]) -> None:
         wait = _wait_of(previous)
         if wait is not None and order[wait] < order[start]:
             wait.prepend(start)
+
+
+def _names(names, most: int = 8) -> str:
+    names = list(dict.fromkeys(names))
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

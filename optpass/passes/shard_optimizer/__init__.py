@@ -137,6 +137,8 @@ def run(step, options) -> str | None:
                 "and per gradient bucket a reduce starts during backward, this rank updates its 1/N shard "
                 "and a gather brings the parameters back (explain runs no collective)")
     if plan is None:
+        if options.data_parallel == "fsdp":
+            return "data_parallel is 'fsdp': its parameters are shards already (this pass is zero1's)"
         return ("not requested (options data_parallel)" if options.data_parallel != "zero1"
                 else "this compile keeps gradients (a micro-step without opt.step(): they add up in .grad)")
     shard_update(step, plan)
