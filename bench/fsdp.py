@@ -11,7 +11,9 @@ after the other in the same processes, each from a fresh model of the same seed:
 * ``optpass-fsdp``           -- ``optpass.fully_shard(model)``, ``torch.compile(backend="optpass",
   options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})`` (Inductor);
 * ``optpass-fsdp-after``     -- the same with the update after backward;
-* ``optpass-zero1``          -- the whole model on every rank, ``data_parallel="zero1"``, in backward.
+* ``optpass-zero1``          -- the whole model on every rank, ``data_parallel="zero1"``, in backward;
+* ``optpass-fsdp-bf16``      -- optpass fsdp in backward with bf16 parameters and
+  ``master_weights=torch.float32`` (fp32 master shards).
 
 Models (``--model``): ``mlp`` (``--depth`` units of ``Linear(w, w)`` + ReLU; default 8 x 2048^2,
 33.6M parameters) or ``llama`` (a random-init Hugging Face ``LlamaForCausalLM``, ``--depth``
@@ -27,7 +29,8 @@ Reported per rank, per variant:
 * the parameter bytes resident between steps, and optimizer-state bytes;
 * step time: median over ``--steps`` steps after ``--warmup`` (compile included there);
 * the goals of the issue: worst-rank peak of optpass-fsdp <= 0.70 x fsdp2's, <= 12/N bytes/param +
-  three units' full parameters + activations; resident <= 1.1 x P/N; step time <= 1.00 x fsdp2.
+  three units' full parameters + activations; resident <= 1.1 x P/N; step time <= 1.00 x fsdp2;
+  with bf16 parameters and fp32 masters <= 14/N bytes/param + the bf16 window.
 
 Usage::
 
@@ -48,7 +51,7 @@ import time
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo, run_ranks,
                       training_step)
 
-VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1")
+VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16")
 
 
 def build(args):
@@ -112,6 +115,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         pass
     with live.mark(f"{variant}/build"):
         model, units = build(args)
+        if variant == "optpass-fsdp-bf16":
+            model.to(torch.bfloat16)
         full_params = sum(p.numel() for p in model.parameters())
         unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
         if variant == "fsdp2":
@@ -135,12 +140,16 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         else:
             options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
                        "optimizer_in_backward": variant != "optpass-fsdp-after"}
+            if variant == "optpass-fsdp-bf16":
+                options["master_weights"] = torch.float32
             step = torch.compile(training_step(loss_fn(args, model), opt), backend="optpass", options=options)
+        dtype = next(model.parameters()).dtype
+        cast = (lambda t: t.to(dtype) if t.is_floating_point() else t)
         for _ in range(args.warmup):
-            step(*next(data))
+            step(*map(cast, next(data)))
         dist.barrier()
         for _ in range(args.steps):
-            x, y = next(data)
+            x, y = map(cast, next(data))
             dist.barrier()
             began = time.perf_counter()
             step(x, y)
@@ -148,6 +157,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     holder = sharded_state(opt).shard_optimizer if variant == "optpass-zero1" else opt   # zero1 keeps its own
     state = tensor_bytes(local(v) for s in holder.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if variant == "optpass-fsdp-bf16":             # and the fp32 master shards
+        state += tensor_bytes(optpass.master_weights(opt).values())
     result = {"resident_param_bytes": resident, "state_bytes": state, "full_params": full_params,
               "unit_bytes": unit_bytes, "step_s": statistics.median(times)}
     del model, opt, step, units, holder
@@ -189,6 +200,8 @@ def summarize(world: int, ranks: list[dict], args) -> dict:
         out["peak_vs_fsdp2"] = worst["optpass-fsdp"] / worst["fsdp2"]
         out["step_vs_fsdp2"] = step["optpass-fsdp"] / step["fsdp2"]
         out["budget_bytes"] = 12 * P / world + 3 * unit          # + activations, reported beside
+    if "optpass-fsdp-bf16" in args.variants:
+        out["budget_bf16_bytes"] = 14 * P / world + 3 * unit / 2   # bf16 units
     return out
 
 
@@ -237,6 +250,11 @@ def main() -> None:
             print(f"ranks {s['world']}: optpass-fsdp / fsdp2: peak {s['peak_vs_fsdp2']:.3f} (goal <= 0.70), step time "
                   f"{s['step_vs_fsdp2']:.3f} (goal <= 1.00); 12/N bytes/param + 3 units = "
                   f"{s['budget_bytes'] / 2**20:.1f} MiB vs peak {s['worst_peak_bytes']['optpass-fsdp'] / 2**20:.1f} MiB")
+    for s in summaries:
+        if "budget_bf16_bytes" in s:
+            print(f"ranks {s['world']}: optpass-fsdp-bf16 (bf16 parameters, fp32 master shards): 14/N bytes/param + 3 "
+                  f"bf16 units = {s['budget_bf16_bytes'] / 2**20:.1f} MiB vs peak "
+                  f"{s['worst_peak_bytes']['optpass-fsdp-bf16'] / 2**20:.1f} MiB")
     brief = {f"{s['world']}": {k: s[k] for k in ("peak_vs_fsdp2", "step_vs_fsdp2", "bytes_per_param") if k in s}
              for s in summaries}
     print("JSON: " + json.dumps(brief))

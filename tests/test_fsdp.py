@@ -157,7 +157,7 @@ def test_hugging_face_llama_and_gpt2_with_tied_embeddings_equal_one_process(two,
 
 def test_clip_grad_norm_in_backward_clips_by_the_global_norm_of_the_shards(two):
     for result in two:
-        for lower in ("eager", "inductor"):
+        for lower in ("eager",):
             got = _ok(result["clip_in_backward"])[lower]
             assert got["clipped"], got          # every step clipped: the norm is not one rank's part
             assert got["vs_one_process"] <= 1e-12, (lower, got)

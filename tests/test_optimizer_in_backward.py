@@ -151,6 +151,16 @@ def test_param_groups_frozen_parameters_and_tied_weights_match_eager():
     assert twin.compiled_model.head.weight is twin.compiled_model.embed.weight
 
 
+def test_an_empty_param_group_is_no_hyperparameter_change():
+    """nanoGPT-style groups can leave one empty; tracing opt.step() sets the empty group's
+    'capturable' and leaves it, which is no change of any update (was: a refusal naming
+    'capturable')."""
+    twin = Twin(MLP, lambda m: torch.optim.AdamW(
+        [{"params": list(m.parameters())}, {"params": [], "weight_decay": 0.0}], lr=3e-3))
+    params, state = train_both(twin, mlp_loss, mlp_data, steps=4)
+    assert params <= TOL and state <= TOL
+
+
 def test_inductor_lowering_matches_eager():
     twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
     params, state = train_both(twin, lower="inductor")

@@ -107,8 +107,11 @@ def test_explain_says_the_update_is_sharded_at_the_first_training_call(ranks):
 
 
 def test_an_evaluation_function_compiled_with_the_training_options_runs_the_forward(ranks):
+    """Within fp32 rounding: Inductor's reduction order for the loss differs from eager's on some
+    CPUs (5.96e-8 of a loss near 1 on an AMD EPYC), bitwise elsewhere."""
     for result in ranks:
-        assert result["evaluation_without_no_grad"]["diff"] == 0.0, result
+        got = result["evaluation_without_no_grad"]
+        assert got["diff"] <= 1e-6 * max(got["value"], 1.0), result
 
 
 @pytest.mark.xfail(strict=True, reason="optpass turns on trace_autograd_ops in the process: Dynamo then "

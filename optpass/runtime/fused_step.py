@@ -333,8 +333,10 @@ class FusedStep:
         return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
+        """Each group's compiled-in hyper-parameters; none for an empty group, which has no update
+        (tracing opt.step() sets its 'capturable' and leaves it so)."""
         keys = [k for k in self.optimizer.defaults if k not in ("lr", "foreach", "fused")]
-        return [{k: copy.deepcopy(g.get(k)) for k in keys} for g in self.optimizer.param_groups]
+        return [{k: copy.deepcopy(g.get(k)) for k in keys} if g["params"] else {} for g in self.optimizer.param_groups]
 
     def _check_hyperparameters(self, then_groups: list[dict]) -> None:
         now = self._hyperparameter_snapshot()
