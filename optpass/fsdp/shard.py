@@ -173,14 +173,17 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
 
 
 def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_forward) -> torch.nn.Parameter:
-    """Rank 0's value of ``full``, this rank's chunk of it as a new parameter."""
-    value = full.detach().clone()
+    """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
+    rank's rows of it as a new parameter: no copy of the whole parameter is made."""
+    value = full.detach()
     dist.broadcast(value, dist.get_global_rank(group, 0), group=group)
     rows_of = value.reshape(1) if value.dim() == 0 else value
     rows = rows_of.shape[0]
     chunk = max(1, math.ceil(rows / world))
-    padded = torch.cat([rows_of, rows_of.new_zeros(chunk * world - rows, *rows_of.shape[1:])])
-    shard = torch.nn.Parameter(padded[rank * chunk:(rank + 1) * chunk].clone(), requires_grad=full.requires_grad)
+    mine = rows_of[min(rank * chunk, rows):min((rank + 1) * chunk, rows)]
+    padding = rows_of.new_zeros(chunk - mine.shape[0], *rows_of.shape[1:])
+    shard = torch.nn.Parameter(torch.cat([mine, padding]) if padding.shape[0] else mine.clone(),
+                               requires_grad=full.requires_grad)
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
                               reshard_after_forward)
     return shard
