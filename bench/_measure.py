@@ -286,6 +286,19 @@ def training_step(loss_of, opt):
     return train_step
 
 
+def waited_per_step(step, steps: int) -> float:
+    """Seconds per step the step's thread spends blocked in wait_tensor (torch.profiler): the
+    communication its schedule did not overlap with its own work."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            dist.barrier()
+            step()
+    return sum(e.cpu_time_total for e in prof.events() if e.name == "_c10d_functional::wait_tensor") / 1e6 / steps
+
+
 _COUNTING_ALLOCATOR_CPP = r"""
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>

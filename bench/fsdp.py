@@ -28,6 +28,9 @@ Reported per rank, per variant:
   the full model, then shards it: the same for every variant);
 * the parameter bytes resident between steps, and optimizer-state bytes;
 * step time: median over ``--steps`` steps after ``--warmup`` (compile included there);
+* for optpass fsdp: the communication the schedule overlaps, 1 - (time the step's thread is
+  blocked in ``wait_tensor``, torch.profiler, 3 more steps) / (the step graph's all-gathers and
+  reduce-scatters replayed alone on tensors of the same sizes);
 * the goals of the issue: worst-rank peak of optpass-fsdp <= 0.70 x fsdp2's, <= 12/N bytes/param +
   three units' full parameters + activations; resident <= 1.1 x P/N; step time <= 1.00 x fsdp2;
   with bf16 parameters and fp32 masters <= 14/N bytes/param + the bf16 window.
@@ -49,7 +52,7 @@ import sys
 import time
 
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo, run_ranks,
-                      training_step)
+                      training_step, waited_per_step)
 
 VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16")
 
@@ -102,6 +105,38 @@ def local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def step_collectives(report) -> list[tuple]:
+    """(op, input shape, dtype) of every all-gather and reduce-scatter in a step graph, in order."""
+    import torch
+
+    c10d = torch.ops._c10d_functional
+    ops = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+    return [(node.target, tuple(node.args[0].meta["val"].shape), node.args[0].meta["val"].dtype)
+            for node in report.graph_after.nodes if node.target in ops]
+
+
+def collectives_alone(collectives: list[tuple], repeats: int = 5) -> float:
+    """Seconds the step's collectives take alone (the same calls on tensors of the same sizes, each
+    waited for at once, nothing else running): median over ``repeats``."""
+    import torch
+    import torch.distributed as dist
+
+    c10d = torch.ops._c10d_functional
+    name, world = dist.group.WORLD.group_name, dist.get_world_size()
+    inputs = [(op, torch.randn(shape).to(dtype)) for op, shape, dtype in collectives]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.perf_counter()
+        for op, tensor in inputs:
+            if op is c10d.all_gather_into_tensor.default:
+                c10d.wait_tensor(op(tensor, world, name))
+            else:
+                c10d.wait_tensor(op(tensor, "sum", world, name))
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     import torch
     import torch.distributed as dist
@@ -145,8 +180,9 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             step = torch.compile(training_step(loss_fn(args, model), opt), backend="optpass", options=options)
         dtype = next(model.parameters()).dtype
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t)
-        for _ in range(args.warmup):
-            step(*map(cast, next(data)))
+        with optpass.keep_graphs():
+            for _ in range(args.warmup):
+                step(*map(cast, next(data)))
         dist.barrier()
         for _ in range(args.steps):
             x, y = map(cast, next(data))
@@ -161,6 +197,13 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         state += tensor_bytes(optpass.master_weights(opt).values())
     result = {"resident_param_bytes": resident, "state_bytes": state, "full_params": full_params,
               "unit_bytes": unit_bytes, "step_s": statistics.median(times)}
+    if variant.startswith("optpass-fsdp"):
+        # communication the schedule overlaps: 1 - (time blocked in wait_tensor) / (collectives alone)
+        reports = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"]
+        collectives = step_collectives(reports[-1])
+        result["collectives"] = len(collectives)
+        result["collectives_alone_s"] = collectives_alone(collectives)
+        result["waited_s"] = waited_per_step(lambda: step(*map(cast, next(data))), 3)
     del model, opt, step, units, holder
     gc.collect()
     dist.barrier()
@@ -191,7 +234,10 @@ def summarize(world: int, ranks: list[dict], args) -> dict:
     step = {v: max(r[v]["step_s"] for r in ranks) for v in args.variants}
     P = ranks[0][args.variants[0]]["full_params"]
     unit = ranks[0][args.variants[0]]["unit_bytes"]
+    overlapped = {v: 1 - max(r[v]["waited_s"] for r in ranks) / max(r[v]["collectives_alone_s"] for r in ranks)
+                  for v in args.variants if "waited_s" in ranks[0][v]}
     out = {"world": world, "params": P, "unit_bytes": unit, "worst_peak_bytes": worst, "step_s": step,
+           "comm_overlapped": overlapped,
            "bytes_per_param": {v: worst[v] / P for v in args.variants},
            "resident_over_P_N": {v: max(r[v]["resident_param_bytes"] for r in ranks) / (4 * P / world)
                                  for v in args.variants},
@@ -245,6 +291,12 @@ def main() -> None:
         for v in args.variants:
             print(f"| {s['world']} | {v} | {s['worst_peak_bytes'][v] / 2**20:.1f} | {s['bytes_per_param'][v]:.2f} "
                   f"| {s['resident_over_P_N'][v]:.2f} | {s['step_s'][v] * 1e3:.1f} |")
+    for s in summaries:
+        for v, share in s["comm_overlapped"].items():
+            r0 = s["ranks"][0][v]
+            print(f"ranks {s['world']}: {v}: {r0['collectives']} collectives per step take "
+                  f"{r0['collectives_alone_s'] * 1e3:.1f} ms alone; the step waits {r0['waited_s'] * 1e3:.1f} ms "
+                  f"in wait_tensor: {share:.0%} of the communication overlapped (worst rank)")
     for s in summaries:
         if "peak_vs_fsdp2" in s:
             print(f"ranks {s['world']}: optpass-fsdp / fsdp2: peak {s['peak_vs_fsdp2']:.3f} (goal <= 0.70), step time "

@@ -49,7 +49,7 @@ import sys
 import time
 
 from _measure import (add_rank_flags, child_command, cpu_busy_s, emit_result, graph_count, init_gloo, other_cores,
-                      run_ranks, self_cpu_s, training_step)
+                      run_ranks, self_cpu_s, training_step, waited_per_step)
 
 VARIANTS = ("ddp", "ddp-zero", "optpass", "optpass-in-backward")
 
@@ -142,19 +142,6 @@ def collectives_alone(plan: str, layout, group, repeats: int) -> float:
                     fc.wait_tensor(fc.all_gather_into_tensor(padded[:chunk], world, name))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def waited_per_step(step, steps: int) -> float:
-    """Seconds per step the step's thread spends blocked in wait_tensor (torch.profiler): the
-    communication its schedule did not overlap with its own work."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            dist.barrier()
-            step()
-    return sum(e.cpu_time_total for e in prof.events() if e.name == "_c10d_functional::wait_tensor") / 1e6 / steps
 
 
 def ddp_collectives_alone(bucket_bytes: list[int], group, repeats: int) -> float:
