@@ -19,7 +19,7 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              module_buffers, warn_backward_outside, warn_if_update_recompiles)
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.fsdp.shard import replaced_name, shard_spec
+from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
                               check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
 from optpass.optim.elementwise import non_elementwise_ops
@@ -202,7 +202,7 @@ def _agree_on_the_fsdp_step(captured, options) -> None:
     optimizer = options.optimizer
     if optimizer in _FSDP_AGREED:
         return
-    group = shard_spec(next(p for group in optimizer.param_groups for p in group["params"])).group
+    group = optimizer_group(optimizer)
     found = non_elementwise_ops(optimizer, options.master_weights)
     names = {id(p.tensor): p.name for p in captured.params if p.tensor is not None}
     agree(group, "fsdp", signature(optimizer, "", 0, names, options.master_weights) + options.across_ranks()
@@ -211,7 +211,7 @@ def _agree_on_the_fsdp_step(captured, options) -> None:
         name = type(optimizer).__name__
         raise OptpassError(
             f"data_parallel='fsdp': {name}'s update is not elementwise: it computes {', '.join(found[:4])} over a "
-            f"whole parameter, and each rank updates only its shard (a flat 1/N of each parameter) with {name}. "
+            f"whole parameter, and each rank updates only its shard (its rows of each parameter) with {name}. "
             "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under fsdp.")
     _FSDP_AGREED[optimizer] = True
 
@@ -228,9 +228,8 @@ def _with_rank_zeros_buffers(call, gm, captured, options, micro: bool = False):
         return call
     replicas = _FSDP_BUFFERS.get(options.optimizer)
     if replicas is None:
-        params = [p for group in options.optimizer.param_groups for p in group["params"]]
-        group = shard_spec(params[0]).group
-        replicas = _FSDP_BUFFERS[options.optimizer] = Replicas(ProcessGroupInfo.of(group), module_buffers(gm))
+        group = ProcessGroupInfo.of(optimizer_group(options.optimizer))
+        replicas = _FSDP_BUFFERS[options.optimizer] = Replicas(group, module_buffers(gm))
     return lambda *args: replicas.run(call, args, micro_step=micro)
 
 

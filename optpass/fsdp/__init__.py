@@ -8,10 +8,10 @@ parameter again in backward instead of keeping it (the pass ``reshard_after_forw
 ``checkpoint.py``: ``full_state_dict``, and DCP checkpoints that load on any number of ranks.
 """
 
-from optpass.fsdp.checkpoint import (full_state_dict, fsdp_state_dict, is_fully_sharded_optimizer,
-                                     load_full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint)
-from optpass.fsdp.shard import ShardSpec, fully_shard, replaced_name, shard_spec, sharded_parameters
+from optpass.fsdp.checkpoint import (full_state_dict, fsdp_state_dict, load_full_state_dict, load_sharded_checkpoint,
+                                     save_sharded_checkpoint)
+from optpass.fsdp.shard import ShardSpec, fully_shard, optimizer_group, replaced_name, shard_spec, sharded_parameters
 
 __all__ = ["fully_shard", "full_state_dict", "load_full_state_dict", "fsdp_state_dict", "save_sharded_checkpoint",
            "load_sharded_checkpoint", "ShardSpec", "shard_spec", "sharded_parameters", "replaced_name",
-           "is_fully_sharded_optimizer"]
+           "optimizer_group"]

@@ -98,12 +98,6 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
                 target[:spec.valid].copy_(rows[spec.offset:spec.offset + spec.valid])
 
 
-def is_fully_sharded_optimizer(optimizer) -> bool:
-    """Every parameter of ``optimizer`` is a shard ``fully_shard`` made."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return bool(params) and all(shard_spec(p) is not None for p in params)
-
-
 def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
     """The parameter in its full shape (a 0-d one as one element), this rank's valid rows as its
     local shard."""

@@ -89,7 +89,7 @@ class ShardSpec:
 
 _SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()       # shard parameter -> ShardSpec
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()    # full parameter fully_shard replaced -> its name
-GATHER_ARGS = "_optpass_gather_args"      # on a sharded module: {name: (numel, shape, world, group name)}
+GATHER_ARGS = "_optpass_gather_args"      # on a sharded module: {name: (rows, shape, world, group name)}
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -102,6 +102,12 @@ def replaced_name(tensor) -> str | None:
     """The name of a full parameter that ``fully_shard`` replaced by its shard (an optimizer built
     before ``fully_shard`` still holds it), or None."""
     return _REPLACED.get(tensor)
+
+
+def optimizer_group(optimizer):
+    """The process group the optimizer's parameters are sharded over (None: none is a shard)."""
+    spec = next((s for g in optimizer.param_groups for p in g["params"] if (s := _SPECS.get(p)) is not None), None)
+    return spec.group if spec is not None else None
 
 
 def sharded_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, ShardSpec]]:

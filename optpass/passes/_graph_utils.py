@@ -114,6 +114,10 @@ def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Nod
 # ---------------------------------------------------------------- the first backward and reductions
 
 FIRST_BACKWARD = "first_backward"
+# Inductor config that keeps the order a pass emits around collectives (docs/design.md §25):
+# reorder_for_locality would move each computation next to its first user (every collective to the
+# graph's end), reorder_for_peak_memory each wait right after its start.
+KEEP_EMITTED_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
 
 
 @contextlib.contextmanager

@@ -33,13 +33,13 @@ import torch
 import torch.fx
 
 from optpass.fsdp.shard import shard_spec
-from optpass.passes._graph_utils import FIRST_BACKWARD
+from optpass.passes._graph_utils import FIRST_BACKWARD, KEEP_EMITTED_ORDER
 from optpass.step import BACKWARD, FORWARD, REGION_KEY, StepGraph, is_view
 
 _c10d = torch.ops._c10d_functional
 # Inductor keeps the order this pass emits: its locality reordering would move every gather next to
 # its first use and its peak-memory reordering every wait next to its start (as for ZeRO-1, §25).
-INDUCTOR_CONFIG = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+INDUCTOR_CONFIG = KEEP_EMITTED_ORDER
 
 
 def run(step: StepGraph, options) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from optpass.passes._graph_utils import KEEP_EMITTED_ORDER
+
 
 CONTEXT_KEY = "sharded_update"
 
@@ -40,4 +42,4 @@ class ShardPlan:
         * ``reorder_for_peak_memory`` moves each bucket's wait and update right after its
           reduce starts (that frees the bucket soonest), so the step waits for every collective
           as soon as it starts."""
-        return {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+        return dict(KEEP_EMITTED_ORDER)
