@@ -605,3 +605,19 @@ def batchnorm_as_ddp(rank, world, workdir):
             make_step(ddp, ref_opt)(mine(x, rank, world), mine(y, rank, world))
         results[in_backward] = worst(optpass.full_state_dict(model), reference)
     return results
+
+
+def reshard_graph_diff(rank, world, workdir):
+    """The step graph before and after reshard_after_forward alone (eager lowering), rank 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optpass.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "lower": "eager",
+                                  "passes": ["reshard_after_forward"]})
+    x, y = torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+    with optpass.keep_graphs():
+        step(mine(x, rank, world), mine(y, rank, world))
+    report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+    return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}

@@ -8,6 +8,7 @@ checkpoint saved on 2 ranks is resumed on 3.
 from __future__ import annotations
 
 import pytest
+from expecttest import assert_expected_inline
 
 import fsdp_workers as workers
 from distributed import run_ranks, values
@@ -17,7 +18,7 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
        "hf_llama", "hf_gpt2_tied", "clip_in_backward", "fp16_scaler_with_an_inf_on_one_rank",
-       "groups_by_dim", "batchnorm_as_ddp"]
+       "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
 
 
@@ -183,3 +184,102 @@ def test_batchnorm_running_statistics_are_rank_zeros_as_under_ddp(two):
     for result in two:
         got = _ok(result["batchnorm_as_ddp"])
         assert got[False] <= 1e-12 and got[True] <= 1e-12, got
+
+
+def test_reshard_after_forward_graph_diff(two):
+    """The second Linear's weight is gathered again just before backward reads it (the first's is
+    not read by backward: no input gradient), and the second gather starts before the first's wait."""
+    assert_expected_inline(_ok(two[0]["reshard_graph_diff"])["diff"], """\
+--- before
++++ after
+@@ -7,2 +7,3 @@
+ all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in0, 2, '0')
++all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0')
+ wait_tensor_0 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
+@@ -10,3 +11,3 @@
+ view_0 = aten.view(slice_0, [3, 4])
+-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0')
++all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
+ wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
+@@ -18,3 +19,3 @@
+ detach_0 = aten.detach(tanh_0)
+-all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
++all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0')
+ wait_tensor_2 = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+@@ -22,3 +23,2 @@
+ view_2 = aten.view(slice_2, [2, 3])
+-all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0')
+ wait_tensor_3 = _c10d_functional.wait_tensor(all_gather_into_tensor_3)
+@@ -32,37 +32,43 @@
+ t_2 = aten.t(t_1)
+-mm_0 = aten.mm(mse_loss_backward_0, t_2)
+-t_3 = aten.t(mse_loss_backward_0)
+-mm_1 = aten.mm(t_3, tanh_0)
+-t_4 = aten.t(mm_1)
++all_gather_into_tensor_4 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
++wait_tensor_4 = _c10d_functional.wait_tensor(all_gather_into_tensor_4)
++slice_4 = aten.slice.Tensor(wait_tensor_4, 0, 0, 2)
++view_4 = aten.view(slice_4, [2, 3])
++t_3 = aten.t(view_4)
++t_4 = aten.t(t_3)
++mm_0 = aten.mm(mse_loss_backward_0, t_4)
++t_5 = aten.t(mse_loss_backward_0)
++mm_1 = aten.mm(t_5, tanh_0)
++t_6 = aten.t(mm_1)
+ sum_0 = aten.sum.dim_IntList(mse_loss_backward_0, [0], True)
+-view_4 = aten.view(sum_0, [2])
+-t_5 = aten.t(t_4)
+-view_5 = aten.view(view_4, [2])
+-reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0')
+-wait_tensor_4 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
+-div_0 = aten.div.Tensor(wait_tensor_4, 2)
+-view_6 = aten.view(t_5, [2, 3])
+-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
+-wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
+-div_1 = aten.div.Tensor(wait_tensor_5, 2)
++view_5 = aten.view(sum_0, [2])
++t_7 = aten.t(t_6)
++view_6 = aten.view(view_5, [2])
++reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
++wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
++div_0 = aten.div.Tensor(wait_tensor_5, 2)
++view_7 = aten.view(t_7, [2, 3])
++reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0')
++wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
++div_1 = aten.div.Tensor(wait_tensor_6, 2)
+ detach_1 = aten.detach(detach_0)
+ tanh_backward_0 = aten.tanh_backward(mm_0, detach_1)
+-t_6 = aten.t(tanh_backward_0)
+-mm_2 = aten.mm(t_6, in2)
+-t_7 = aten.t(mm_2)
++t_8 = aten.t(tanh_backward_0)
++mm_2 = aten.mm(t_8, in2)
++t_9 = aten.t(mm_2)
+ sum_1 = aten.sum.dim_IntList(tanh_backward_0, [0], True)
+-view_7 = aten.view(sum_1, [3])
+-t_8 = aten.t(t_7)
+-view_8 = aten.view(view_7, [3])
+-new_zeros_0 = aten.new_zeros(view_8, [1], pin_memory=False)
+-cat_0 = aten.cat([view_8, new_zeros_0])
++view_8 = aten.view(sum_1, [3])
++t_10 = aten.t(t_9)
++view_9 = aten.view(view_8, [3])
++new_zeros_0 = aten.new_zeros(view_9, [1], pin_memory=False)
++cat_0 = aten.cat([view_9, new_zeros_0])
+ reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0')
+-wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
+-div_2 = aten.div.Tensor(wait_tensor_6, 2)
+-view_9 = aten.view(t_8, [3, 4])
+-new_zeros_1 = aten.new_zeros(view_9, [1, 4], pin_memory=False)
+-cat_1 = aten.cat([view_9, new_zeros_1])
++wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
++div_2 = aten.div.Tensor(wait_tensor_7, 2)
++view_10 = aten.view(t_10, [3, 4])
++new_zeros_1 = aten.new_zeros(view_10, [1, 4], pin_memory=False)
++cat_1 = aten.cat([view_10, new_zeros_1])
+ reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0')
+-wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
+-div_3 = aten.div.Tensor(wait_tensor_7, 2)
++wait_tensor_8 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
++div_3 = aten.div.Tensor(wait_tensor_8, 2)
+ empty_like_0 = aten.empty_like(in0, pin_memory=False)""")
