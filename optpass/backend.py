@@ -289,6 +289,12 @@ class StepRuntime:
     step: type
 
 
+def _fuses_the_update(options: Options) -> bool:
+    """Whether the step graph runs torch.optim's update itself (in backward, or at its end)."""
+    return (options.optimizer_in_backward or options.grad_scaler is not None
+            or (options.data_parallel == "fsdp" and options.clip_grad_norm is not None))
+
+
 # The first row whose options are set wins (zero1 keeps its own masters and runs its own scaler).
 STEP_RUNTIMES = (
     # ZeRO-1: each rank updates its shard in the graph (with master_weights: its fp32 master shard)
@@ -297,9 +303,9 @@ STEP_RUNTIMES = (
     StepRuntime("master_weights", lambda o: o.master_weights is not None, _check_master_weights,
                 MasterWeightsStep),
     # torch.optim's own update fused into backward; a grad_scaler's step fuses it too (after
-    # backward without optimizer_in_backward): a skipped step must skip it in the same graph
-    StepRuntime("optimizer_in_backward", lambda o: o.optimizer_in_backward or o.grad_scaler is not None,
-                _check_fused_update, FusedStep),
+    # backward without optimizer_in_backward): a skipped step must skip it in the same graph; so
+    # does fsdp's clip_grad_norm (the norm of the shards, all-reduced, before the update)
+    StepRuntime("optimizer_in_backward", _fuses_the_update, _check_fused_update, FusedStep),
 )
 
 

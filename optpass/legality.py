@@ -452,7 +452,7 @@ def check_fsdp(captured: CapturedGraph, options) -> None:
             "each rank holds 1/N of every gradient (its shard, averaged over the ranks), so this code would "
             "see one rank's part only. Element-by-element transforms of p.grad are fine (p.grad.mul_, "
             "clamp_). For global-norm clipping remove clip_grad_norm_ and pass options={..., "
-            "'optimizer_in_backward': True, 'clip_grad_norm': max_norm} (the norm of every rank's shards); "
+            "'clip_grad_norm': max_norm} (the norm of every rank's shards, the update in or after backward); "
             "otherwise remove the transform (scale the loss instead).")
 
 

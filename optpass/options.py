@@ -269,11 +269,6 @@ def _check_fsdp(options: Options) -> None:
     if options.optimizer is None:
         raise OptpassError("data_parallel='fsdp' needs the optimizer (built after optpass.fully_shard(model)): "
                            "options={'optimizer': opt, 'data_parallel': 'fsdp'}")
-    if options.clip_grad_norm is not None and not (options.optimizer_in_backward or options.master_weights):
-        raise OptpassError(
-            "clip_grad_norm with data_parallel='fsdp' clips a fused update: add optimizer_in_backward=True (the "
-            "global norm from a norm-only first backward, one all-reduce of a scalar) or master_weights; with "
-            "the update after backward alone the step would not clip.")
     _require_pass(options, "reshard_after_forward", "data_parallel='fsdp'")
 
 

@@ -490,17 +490,19 @@ def hf_gpt2_tied(rank, world, workdir):
     return result
 
 
-def clip_in_backward(rank, world, workdir):
-    """clip_grad_norm with the update in backward: the global norm from every rank's squared shard
-    norms (a norm-only first backward, one all-reduce), beside eager clip_grad_norm_ in one process."""
+def clip_grad_norm_option(rank, world, workdir):
+    """The clip_grad_norm option with the update in backward (the global norm from a norm-only first
+    backward: every rank's squared shard norms, one all-reduce) and after backward (the norm of the
+    sharded gradients at the end of the step, one all-reduce), beside eager clip_grad_norm_ in one
+    process (the eager lowering: both lowerings run the same passes, equivalence() covers Inductor)."""
     torch.set_default_dtype(torch.float64)
     results = {}
-    for lower in ("eager",):          # both lowerings run the same passes: equivalence() covers Inductor
+    for in_backward in (True, False):
         torch._dynamo.reset()
         model, opt, reference, ref_opt = fsdp_and_reference(mlp, adamw)
         step = torch.compile(make_step(model, opt), backend="optpass",
-                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
-                                      "clip_grad_norm": 0.05, "lower": lower})
+                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": in_backward,
+                                      "clip_grad_norm": 0.05, "lower": "eager"})
         norms = []
         for i in range(8):
             x, y = batch(i, world)
@@ -509,8 +511,9 @@ def clip_in_backward(rank, world, workdir):
             norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item())
             ref_opt.step()
             ref_opt.zero_grad()
-        results[lower] = {"vs_one_process": worst(optpass.full_state_dict(model), reference),
-                          "clipped": min(norms) > 0.05}
+        results["in_backward" if in_backward else "after_backward"] = {
+            "vs_one_process": worst(optpass.full_state_dict(model), reference), "clipped": min(norms) > 0.05,
+            "grads_left": sum(p.grad is not None for p in model.parameters())}
     return results
 
 

@@ -17,7 +17,7 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "against_fsdp2", "evaluation", "elementwise_transform_in_the_step", "checkpoint_save",
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
-       "hf_llama", "hf_gpt2_tied", "clip_in_backward", "fp16_scaler_with_an_inf_on_one_rank",
+       "hf_llama", "hf_gpt2_tied", "clip_grad_norm_option", "fp16_scaler_with_an_inf_on_one_rank",
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
 
@@ -156,12 +156,13 @@ def test_hugging_face_llama_and_gpt2_with_tied_embeddings_equal_one_process(two,
         assert got["loss"] <= 1e-6, got           # transformers computes the loss in float32
 
 
-def test_clip_grad_norm_in_backward_clips_by_the_global_norm_of_the_shards(two):
+@pytest.mark.parametrize("placement", ["in_backward", "after_backward"])
+def test_the_clip_grad_norm_option_clips_by_the_global_norm_of_the_shards(two, placement):
     for result in two:
-        for lower in ("eager",):
-            got = _ok(result["clip_in_backward"])[lower]
-            assert got["clipped"], got          # every step clipped: the norm is not one rank's part
-            assert got["vs_one_process"] <= 1e-12, (lower, got)
+        got = _ok(result["clip_grad_norm_option"])[placement]
+        assert got["clipped"], got          # every step clipped: the norm is not one rank's part
+        assert got["vs_one_process"] <= 1e-12, got
+        assert got["grads_left"] == 0, got   # the update ran in the step graph: no .grad for opt.step()
 
 
 def test_an_inf_on_one_rank_skips_every_ranks_step_under_a_grad_scaler(two):
