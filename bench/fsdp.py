@@ -2,8 +2,9 @@
 """Fully sharded data parallel (``optpass.fully_shard`` + ``data_parallel="fsdp"``) versus torch's FSDP2
 and optpass ZeRO-1, gloo ranks on CPU, fp32 AdamW.
 
-For each world size (``--worlds``, default 2 and 3) one set of spawned ranks trains, one variant
-after the other in the same processes, each from a fresh model of the same seed:
+For each world size (``--worlds``, default 2 and 3) and each variant a set of spawned ranks trains
+from a fresh model of the same seed (``--same-processes``: one set of ranks, one variant after the
+other):
 
 * ``fsdp2``                  -- ``torch.distributed.fsdp.fully_shard`` on every unit and the root
   (``reshard_after_forward=True``) + ``torch.optim.AdamW``, eager (FSDP2's hooks graph-break
@@ -27,7 +28,11 @@ Reported per rank, per variant:
   per parameter of the full model. Beside it the peak of building the model (every rank builds
   the full model, then shards it: the same for every variant);
 * the parameter bytes resident between steps, and optimizer-state bytes;
-* step time: median over ``--steps`` steps after ``--warmup`` (compile included there);
+* step time: median over ``--steps`` steps after ``--warmup`` (compile included there); the first
+  step's time beside it (optpass compiles there);
+* the whole run's peak RSS of each rank's process (``VmHWM``, never reset: imports, gloo, compile
+  and every step) and its RSS before the first variant: each variant runs in processes of its own,
+  so the peak is that variant's alone, as a user who runs one sees it;
 * for optpass fsdp: the communication the schedule overlaps, 1 - (time the step's thread is
   blocked in ``wait_tensor``, torch.profiler, 3 more steps) / (the step graph's all-gathers and
   reduce-scatters replayed alone on tensors of the same sizes);
@@ -40,6 +45,7 @@ Usage::
     python3 bench/fsdp.py                  # 2 and 3 ranks, the MLP (~5 min)
     python3 bench/fsdp.py --model llama    # a Llama of 8 layers, width 512
     python3 bench/fsdp.py --quick          # 8 x 256^2, 2 ranks
+    python3 bench/fsdp.py --same-processes # every variant in the same processes (faster)
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ import statistics
 import sys
 import time
 
-from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo, run_ranks,
-                      training_step, waited_per_step)
+from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo,
+                      proc_status_kib, run_ranks, training_step, waited_per_step)
 
 VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16")
 
@@ -106,13 +112,19 @@ def local(tensor):
 
 
 def step_collectives(report) -> list[tuple]:
-    """(op, input shape, dtype) of every all-gather and reduce-scatter in a step graph, in order."""
+    """(op, input shapes, dtype) of every all-gather (one unit's coalesced gather too) and
+    reduce-scatter in a step graph, in order."""
     import torch
 
     c10d = torch.ops._c10d_functional
-    ops = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
-    return [(node.target, tuple(node.args[0].meta["val"].shape), node.args[0].meta["val"].dtype)
-            for node in report.graph_after.nodes if node.target in ops]
+    ops = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default,
+           c10d.reduce_scatter_tensor.default)
+    found = []
+    for node in report.graph_after.nodes:
+        if node.target in ops:
+            inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            found.append((node.target, [tuple(i.meta["val"].shape) for i in inputs], inputs[0].meta["val"].dtype))
+    return found
 
 
 def collectives_alone(collectives: list[tuple], repeats: int = 5) -> float:
@@ -123,16 +135,19 @@ def collectives_alone(collectives: list[tuple], repeats: int = 5) -> float:
 
     c10d = torch.ops._c10d_functional
     name, world = dist.group.WORLD.group_name, dist.get_world_size()
-    inputs = [(op, torch.randn(shape).to(dtype)) for op, shape, dtype in collectives]
+    inputs = [(op, [torch.randn(shape).to(dtype) for shape in shapes]) for op, shapes, dtype in collectives]
     times = []
     for _ in range(repeats):
         dist.barrier()
         began = time.perf_counter()
-        for op, tensor in inputs:
-            if op is c10d.all_gather_into_tensor.default:
-                c10d.wait_tensor(op(tensor, world, name))
+        for op, tensors in inputs:
+            if op is c10d.all_gather_into_tensor_coalesced.default:
+                for out in op(tensors, world, name):
+                    c10d.wait_tensor(out)
+            elif op is c10d.all_gather_into_tensor.default:
+                c10d.wait_tensor(op(tensors[0], world, name))
             else:
-                c10d.wait_tensor(op(tensor, "sum", world, name))
+                c10d.wait_tensor(op(tensors[0], "sum", world, name))
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
@@ -181,7 +196,10 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         dtype = next(model.parameters()).dtype
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t)
         with optpass.keep_graphs():
-            for _ in range(args.warmup):
+            began = time.perf_counter()
+            step(*map(cast, next(data)))              # optpass: compiles here
+            first_step_s = time.perf_counter() - began
+            for _ in range(args.warmup - 1):
                 step(*map(cast, next(data)))
         dist.barrier()
         for _ in range(args.steps):
@@ -196,7 +214,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     if variant == "optpass-fsdp-bf16":             # and the fp32 master shards
         state += tensor_bytes(optpass.master_weights(opt).values())
     result = {"resident_param_bytes": resident, "state_bytes": state, "full_params": full_params,
-              "unit_bytes": unit_bytes, "step_s": statistics.median(times)}
+              "unit_bytes": unit_bytes, "step_s": statistics.median(times), "first_step_s": first_step_s}
     if variant.startswith("optpass-fsdp"):
         # communication the schedule overlaps: 1 - (time blocked in wait_tensor) / (collectives alone)
         reports = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"]
@@ -216,8 +234,11 @@ def rank_main(args) -> None:
     torch.set_num_threads(args.threads)
     init_gloo(args.rank, args.world, args.port, 600)
     live = CPUTensorBytes()         # live tensor bytes on every thread (gloo frees on its own), from here on
+    live.load()
+    rss_start = proc_status_kib("VmRSS") * 1024     # torch imported, gloo up, the allocator loaded
     live.start()
     results = {variant: run_variant(variant, args, args.rank, args.world, live) for variant in args.variants}
+    rss_peak = proc_status_kib("VmHWM") * 1024      # the whole process's peak RSS, never reset
     marks = live.stop()["marks"]
     for variant, result in results.items():
         before, build, train = (marks[f"{variant}/{m}"] for m in ("before", "build", "train"))
@@ -225,7 +246,8 @@ def rank_main(args) -> None:
         # runs one); building the full model before sharding is reported beside it
         left = before["end_bytes"]
         result.update(peak_bytes=train["peak_bytes"] - left, build_peak_bytes=build["peak_bytes"] - left,
-                      left_by_earlier_variants_bytes=left)
+                      left_by_earlier_variants_bytes=left, rss_start_bytes=rss_start, rss_peak_bytes=rss_peak,
+                      variants_in_process=len(args.variants))
     emit_result(results)
 
 
@@ -265,6 +287,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--same-processes", action="store_true",
+                        help="every variant in the same processes, one after the other (faster; the RSS "
+                             "peak is then the process's, and a variant's step time can depend on the ones "
+                             "before it: FSDP2's Llama step took 2.4x longer as the first of five)")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_rank_flags(parser)
@@ -281,8 +307,13 @@ def main() -> None:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
                             threads=args.threads)
-        cmd += ["--variants", *args.variants]
-        summaries.append(summarize(world, run_ranks(cmd, world, env=child_env(args.threads), timeout=3600), args))
+        if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
+            runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
+                    for v in args.variants]
+            ranks = [{k: v for run in runs for k, v in run[r].items()} for r in range(world)]
+        else:
+            ranks = run_ranks(cmd + ["--variants", *args.variants], world, env=child_env(args.threads), timeout=3600)
+        summaries.append(summarize(world, ranks, args))
     print(f"model {args.model}: {summaries[0]['params'] / 1e6:.1f}M parameters, largest unit "
           f"{summaries[0]['unit_bytes'] / 2**20:.1f} MiB fp32")
     print("\n| ranks | variant | worst-rank peak MiB | bytes/param | params resident / (P/N) | step ms |")
@@ -291,6 +322,14 @@ def main() -> None:
         for v in args.variants:
             print(f"| {s['world']} | {v} | {s['worst_peak_bytes'][v] / 2**20:.1f} | {s['bytes_per_param'][v]:.2f} "
                   f"| {s['resident_over_P_N'][v]:.2f} | {s['step_s'][v] * 1e3:.1f} |")
+    print("\n| ranks | variant | whole-run peak RSS MiB | RSS at start MiB | first step (compile) s |")
+    print("|---|---|---|---|---|")
+    for s in summaries:
+        for v in args.variants:
+            worst = max(s["ranks"], key=lambda r: r[v]["rss_peak_bytes"])[v]
+            alone = "" if worst["variants_in_process"] == 1 else f" (process of {worst['variants_in_process']} variants)"
+            print(f"| {s['world']} | {v} | {worst['rss_peak_bytes'] / 2**20:.0f}{alone} | "
+                  f"{worst['rss_start_bytes'] / 2**20:.0f} | {max(r[v]['first_step_s'] for r in s['ranks']):.1f} |")
     for s in summaries:
         for v, share in s["comm_overlapped"].items():
             r0 = s["ranks"][0][v]

@@ -149,6 +149,31 @@ def equivalence_two_configs(rank, world, workdir):
     return equivalence(rank, world, workdir, configs=(("eager", False), ("inductor", True)))
 
 
+def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
+    """equivalence() with each unit's gathers coalesced into one all-gather (what every backend but
+    gloo gets), both lowerings; and the count of forward all-gathers explain reports."""
+    from optpass.passes import reshard_after_forward
+
+    reshard_after_forward.COALESCE_UNITS = True
+    try:
+        results = equivalence(rank, world, workdir, configs)
+        torch._dynamo.reset()
+        model = mlp()
+        optpass.fully_shard(model)
+        opt = adamw(model)
+        x, y = batch(0, world)
+        results["explain"] = str(optpass.explain(
+            make_step(model, opt), mine(x, rank, world), mine(y, rank, world),
+            options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}))
+        return results
+    finally:
+        reshard_after_forward.COALESCE_UNITS = "auto"
+
+
+def coalesced_units_inductor(rank, world, workdir):
+    return coalesced_units(rank, world, workdir, configs=(("inductor", True),))
+
+
 def tied_weights(rank, world, workdir):
     torch.set_default_dtype(torch.float64)
 
@@ -624,3 +649,14 @@ def reshard_graph_diff(rank, world, workdir):
         step(mine(x, rank, world), mine(y, rank, world))
     report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
+
+
+def reshard_graph_diff_coalesced(rank, world, workdir):
+    """reshard_graph_diff with each unit's gathers coalesced (every backend but gloo)."""
+    from optpass.passes import reshard_after_forward
+
+    reshard_after_forward.COALESCE_UNITS = True
+    try:
+        return reshard_graph_diff(rank, world, workdir)
+    finally:
+        reshard_after_forward.COALESCE_UNITS = "auto"

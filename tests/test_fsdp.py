@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from expecttest import assert_expected_inline
 
+from optpass.passes.reshard_after_forward import unit_of
+
 import fsdp_workers as workers
 from distributed import run_ranks, values
 
@@ -18,8 +20,10 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
        "hf_llama", "hf_gpt2_tied", "clip_grad_norm_option", "fp16_scaler_with_an_inf_on_one_rank",
-       "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff"]
-THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models"]
+       "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_coalesced",
+       "coalesced_units"]
+THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
+         "coalesced_units_inductor"]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +141,19 @@ def test_ranks_holding_different_models_fail_alike_before_any_collective(three):
     assert kind == "RanksDisagree" and "(13, 7)" in message and "(14, 7)" in message, message
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_units_gathers_coalesced_into_one_all_gather_equal_one_process(two, three, world):
+    ranks, name = (two, "coalesced_units") if world == 2 else (three, "coalesced_units_inductor")
+    for result in ranks:
+        got = _ok(result[name])
+        for config, values in got.items():
+            if config in ("warnings", "explain"):
+                continue
+            assert values["vs_one_process"] <= 1e-12 and values["loss"] <= 1e-12, (config, values)
+        # layers 0, 2, 3 and 5, a weight and a bias each: one all-gather per unit in forward
+        assert "4 collective(s) for 8 parameters (one per unit: 0, 2, 3, 5)" in got["explain"], got["explain"]
+
+
 def test_explain_says_what_is_gathered_and_when(two):
     text = _ok(two[0]["explain_an_fsdp_step"])["text"]
     assert "reshard_after_forward: applied" in text, text
@@ -144,6 +161,8 @@ def test_explain_says_what_is_gathered_and_when(two):
     again = next(line for line in text.splitlines() if "all-gathered again in backward" in line)
     assert "2.weight" in again and "5.weight" in again and "0.weight" not in again, again   # layer 0: no input grad
     assert "8 reduce-scatter(s)" in text, text
+    # on gloo one all-gather per parameter (a unit's coalesced gather copies out of a flat buffer there)
+    assert "8 collective(s) for 8 parameters (one per parameter" in text, text
     assert "shard_optimizer: skipped (data_parallel is 'fsdp'" in text, text
 
 
@@ -188,8 +207,9 @@ def test_batchnorm_running_statistics_are_rank_zeros_as_under_ddp(two):
 
 
 def test_reshard_after_forward_graph_diff(two):
-    """The second Linear's weight is gathered again just before backward reads it (the first's is
-    not read by backward: no input gradient), and the second gather starts before the first's wait."""
+    """On gloo, one all-gather per parameter: the second Linear's weight is gathered again just
+    before backward reads it (the first's is not read by backward: no input gradient), and each
+    gather starts before the previous one's wait."""
     assert_expected_inline(_ok(two[0]["reshard_graph_diff"])["diff"], """\
 --- before
 +++ after
@@ -284,3 +304,123 @@ def test_reshard_after_forward_graph_diff(two):
 +wait_tensor_8 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
 +div_3 = aten.div.Tensor(wait_tensor_8, 2)
  empty_like_0 = aten.empty_like(in0, pin_memory=False)""")
+
+
+def test_reshard_after_forward_graph_diff_with_coalesced_units(two):
+    """Off gloo (COALESCE_UNITS): each Linear's weight and bias are one coalesced all-gather (a unit),
+    the second unit's started before the first unit's first wait; the second Linear's weight is
+    gathered again just before backward reads it (the first's is not read by backward)."""
+    assert_expected_inline(_ok(two[0]["reshard_graph_diff_coalesced"])["diff"], """\
+--- before
++++ after
+@@ -6,8 +6,12 @@
+ in5 = placeholder
+-all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in0, 2, '0')
+-wait_tensor_0 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
++all_gather_into_tensor_coalesced_0 = _c10d_functional.all_gather_into_tensor_coalesced([in0, in1], 2, '0')
++getitem_0 = getitem(all_gather_into_tensor_coalesced_0, 0)
++getitem_1 = getitem(all_gather_into_tensor_coalesced_0, 1)
++all_gather_into_tensor_coalesced_1 = _c10d_functional.all_gather_into_tensor_coalesced([in3, in4], 2, '0')
++getitem_2 = getitem(all_gather_into_tensor_coalesced_1, 0)
++getitem_3 = getitem(all_gather_into_tensor_coalesced_1, 1)
++wait_tensor_0 = _c10d_functional.wait_tensor(getitem_0)
+ slice_0 = aten.slice.Tensor(wait_tensor_0, 0, 0, 3)
+ view_0 = aten.view(slice_0, [3, 4])
+-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0')
+-wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
++wait_tensor_1 = _c10d_functional.wait_tensor(getitem_1)
+ slice_1 = aten.slice.Tensor(wait_tensor_1, 0, 0, 3)
+@@ -18,8 +22,6 @@
+ detach_0 = aten.detach(tanh_0)
+-all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
+-wait_tensor_2 = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
++wait_tensor_2 = _c10d_functional.wait_tensor(getitem_2)
+ slice_2 = aten.slice.Tensor(wait_tensor_2, 0, 0, 2)
+ view_2 = aten.view(slice_2, [2, 3])
+-all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0')
+-wait_tensor_3 = _c10d_functional.wait_tensor(all_gather_into_tensor_3)
++wait_tensor_3 = _c10d_functional.wait_tensor(getitem_3)
+ slice_3 = aten.slice.Tensor(wait_tensor_3, 0, 0, 2)
+@@ -32,37 +34,43 @@
+ t_2 = aten.t(t_1)
+-mm_0 = aten.mm(mse_loss_backward_0, t_2)
+-t_3 = aten.t(mse_loss_backward_0)
+-mm_1 = aten.mm(t_3, tanh_0)
+-t_4 = aten.t(mm_1)
++all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
++wait_tensor_4 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
++slice_4 = aten.slice.Tensor(wait_tensor_4, 0, 0, 2)
++view_4 = aten.view(slice_4, [2, 3])
++t_3 = aten.t(view_4)
++t_4 = aten.t(t_3)
++mm_0 = aten.mm(mse_loss_backward_0, t_4)
++t_5 = aten.t(mse_loss_backward_0)
++mm_1 = aten.mm(t_5, tanh_0)
++t_6 = aten.t(mm_1)
+ sum_0 = aten.sum.dim_IntList(mse_loss_backward_0, [0], True)
+-view_4 = aten.view(sum_0, [2])
+-t_5 = aten.t(t_4)
+-view_5 = aten.view(view_4, [2])
+-reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0')
+-wait_tensor_4 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
+-div_0 = aten.div.Tensor(wait_tensor_4, 2)
+-view_6 = aten.view(t_5, [2, 3])
+-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
+-wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
+-div_1 = aten.div.Tensor(wait_tensor_5, 2)
++view_5 = aten.view(sum_0, [2])
++t_7 = aten.t(t_6)
++view_6 = aten.view(view_5, [2])
++reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
++wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
++div_0 = aten.div.Tensor(wait_tensor_5, 2)
++view_7 = aten.view(t_7, [2, 3])
++reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0')
++wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
++div_1 = aten.div.Tensor(wait_tensor_6, 2)
+ detach_1 = aten.detach(detach_0)
+ tanh_backward_0 = aten.tanh_backward(mm_0, detach_1)
+-t_6 = aten.t(tanh_backward_0)
+-mm_2 = aten.mm(t_6, in2)
+-t_7 = aten.t(mm_2)
++t_8 = aten.t(tanh_backward_0)
++mm_2 = aten.mm(t_8, in2)
++t_9 = aten.t(mm_2)
+ sum_1 = aten.sum.dim_IntList(tanh_backward_0, [0], True)
+-view_7 = aten.view(sum_1, [3])
+-t_8 = aten.t(t_7)
+-view_8 = aten.view(view_7, [3])
+-new_zeros_0 = aten.new_zeros(view_8, [1], pin_memory=False)
+-cat_0 = aten.cat([view_8, new_zeros_0])
++view_8 = aten.view(sum_1, [3])
++t_10 = aten.t(t_9)
++view_9 = aten.view(view_8, [3])
++new_zeros_0 = aten.new_zeros(view_9, [1], pin_memory=False)
++cat_0 = aten.cat([view_9, new_zeros_0])
+ reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0')
+-wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
+-div_2 = aten.div.Tensor(wait_tensor_6, 2)
+-view_9 = aten.view(t_8, [3, 4])
+-new_zeros_1 = aten.new_zeros(view_9, [1, 4], pin_memory=False)
+-cat_1 = aten.cat([view_9, new_zeros_1])
++wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
++div_2 = aten.div.Tensor(wait_tensor_7, 2)
++view_10 = aten.view(t_10, [3, 4])
++new_zeros_1 = aten.new_zeros(view_10, [1, 4], pin_memory=False)
++cat_1 = aten.cat([view_10, new_zeros_1])
+ reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0')
+-wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
+-div_3 = aten.div.Tensor(wait_tensor_7, 2)
++wait_tensor_8 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
++div_3 = aten.div.Tensor(wait_tensor_8, 2)
+ empty_like_0 = aten.empty_like(in0, pin_memory=False)""")
+
+
+
+def test_a_unit_is_a_block_of_a_module_list_or_else_a_parameters_module():
+    assert unit_of("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
+    assert unit_of("transformer.h.0.ln_1.bias") == "transformer.h.0"
+    assert unit_of("0.weight") == "0"
+    assert unit_of("model.embed_tokens.weight") == "model.embed_tokens"
+    assert unit_of("lm_head.weight") == "lm_head"
+    assert unit_of("scale") == ""

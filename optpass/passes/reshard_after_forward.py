@@ -7,14 +7,22 @@ of a parameter placeholder, ``wait_tensor``, a slice and a view to the parameter
 gradient multiplies by its weight).
 Rewrite: for each such gather whose parameter was sharded with ``reshard_after_forward=True``, a
 copy of the whole chain (the all-gather, its wait and the views) is put before the first backward
-node that reads it, and every backward read is pointed at the copy. Then the gathers are
-prefetched one ahead, in forward and in backward: each all-gather starts just before the previous
-gather's wait, so parameter k+1 travels while parameter k's ops run.
+node that reads it, and every backward read is pointed at the copy. Then, on every backend but
+gloo (``COALESCE_UNITS``), the gathers of one unit (``unit_of``: a block of a ModuleList/Sequential,
+``model.layers.3``, else a parameter's module) that follow each other in forward, and again in
+backward, become one ``all_gather_into_tensor_coalesced`` of their shards at the first one's place
+(one collective per unit, as FSDP2's; every shard keeps its own output, so a parameter is still a
+slice of it, no copy in the graph). Not on gloo: its coalesced all-gather goes through one flat
+buffer of the whole unit and copies out of it, which raised the 8 x 2048^2 MLP's peak by one unit
+(264.7 -> 280.6 MiB at 2 ranks) for no step time gained (``bench/fsdp.py``, docs/fsdp.md). Then
+the gathers are prefetched one ahead, in forward and in backward: each all-gather (each unit's)
+starts just before the previous one's first wait, so the next travels while this one is used.
 Effect: a gathered parameter dies after its last forward use and lives again only around its
 backward use, so at most the parameters in flight and in use are whole at any time (docs/design.md
 §39: the one graph holds forward and backward, so this is the recompute decision, taken the same way
-on every rank because every rank's graph is the same). One more all-gather per parameter; numerics
-unchanged (the same shards gathered twice).
+on every rank because every rank's graph is the same). One more all-gather per unit; numerics
+unchanged (the same shards gathered twice). The gradients are reduce-scattered one by one, each as
+soon as it is final.
 Refuses: nothing; skips a step that gathers no sharded parameter.
 
     before:                                    after:
@@ -29,10 +37,14 @@ Refuses: nothing; skips a step that gathers no sharded parameter.
 
 from __future__ import annotations
 
+import operator
+
 import torch
+import torch.distributed as dist
 import torch.fx
 
 from optpass.fsdp.shard import shard_spec
+from optpass.zero1.state import backend_for_device
 from optpass.passes._graph_utils import FIRST_BACKWARD, KEEP_EMITTED_ORDER
 from optpass.step import BACKWARD, FORWARD, REGION_KEY, StepGraph, is_view
 
@@ -40,6 +52,10 @@ _c10d = torch.ops._c10d_functional
 # Inductor keeps the order this pass emits: its locality reordering would move every gather next to
 # its first use and its peak-memory reordering every wait next to its start (as for ZeRO-1, §25).
 INDUCTOR_CONFIG = KEEP_EMITTED_ORDER
+
+# Whether a unit's gathers become one coalesced all-gather: "auto" (every backend but gloo: above),
+# True or False.
+COALESCE_UNITS: bool | str = "auto"
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -55,14 +71,21 @@ def run(step: StepGraph, options) -> str | None:
             continue
         for copy in _regather_for_backward(step, start, order) or ():
             regathered.append((copy, name))
-    _prefetch_one_ahead(step, [start for start, _, _ in gathers])
-    _prefetch_one_ahead(step, [start for start, _ in regathered])
+    coalesce = _coalesces(gathers[0][2], gathers[0][0])
+    forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce)
+    backward_units = _gather_units(step, regathered, coalesce)
+    _prefetch_one_ahead(step, forward_units)
+    _prefetch_one_ahead(step, backward_units)
     kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
     reduced = sum(1 for n in step.graph.nodes if n.target is _c10d.reduce_scatter_tensor.default)
-    step.notes.append(f"all-gathered in forward just before first use, each started before the previous one's "
-                      f"wait: {_names(name for _, name, _ in gathers)}")
+    per = (f"one per unit: {_names(forward_units.values())}" if coalesce else
+           "one per parameter: units are coalesced on every backend but gloo")
+    step.notes.append(f"all-gathered in forward just before first use, {len(forward_units)} collective(s) for "
+                      f"{len(gathers)} parameters ({per}), each started before the previous one's wait: "
+                      f"{_names(name for _, name, _ in gathers)}")
     step.notes.append(f"all-gathered again in backward just before backward reads them (the forward's copy "
-                      f"died after its last forward use): {_names(name for _, name in regathered) or 'none'}")
+                      f"died after its last forward use), {len(backward_units)} collective(s): "
+                      f"{_names(name for _, name in regathered) or 'none'}")
     if kept:
         step.notes.append(f"kept from forward to backward (reshard_after_forward=False): {_names(kept)}")
     step.notes.append(f"reduce-scattered onto this rank's shard as each gradient is final in backward: "
@@ -87,8 +110,73 @@ def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]
     return found
 
 
+def unit_of(name: str) -> str:
+    """The unit a parameter is gathered with: its name up to the first index of a ModuleList or
+    Sequential (a transformer block, ``model.layers.3``; a Sequential's layer, ``0``), else its
+    module's name (``lm_head``, ``model.norm``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
+
+
 def _wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
     return next((u for u in start.users if u.target is _c10d.wait_tensor.default), None)
+
+
+def _first_wait(start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
+    """The first wait on an all-gather's result (on any of a coalesced one's results)."""
+    outputs = [start] if start.target is _c10d.all_gather_into_tensor.default else \
+        [u for u in start.users if u.target is operator.getitem]
+    waits = [w for out in outputs for w in out.users if w.target is _c10d.wait_tensor.default]
+    return min(waits, key=lambda n: order[n]) if waits else None
+
+
+def _coalesces(spec, start: torch.fx.Node) -> bool:
+    if COALESCE_UNITS != "auto":
+        return bool(COALESCE_UNITS)
+    return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) != "gloo"
+
+
+def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coalesce: bool
+                  ) -> dict[torch.fx.Node, str]:
+    """With ``coalesce``, merge each run of all-gathers (in graph order) of one unit, one dtype and
+    one group into one ``all_gather_into_tensor_coalesced`` at the run's first; {collective: unit},
+    in graph order."""
+    order = {node: i for i, node in enumerate(step.graph.nodes)}
+    starts = sorted(starts, key=lambda item: order[item[0]])
+    if not coalesce:
+        return {start: name for start, name in starts}
+    runs: list[tuple[tuple[torch.fx.Node, tuple], list[torch.fx.Node]]] = []
+    for start, name in starts:
+        key = (unit_of(name), start.meta["val"].dtype, start.args[1], start.args[2])
+        if runs and runs[-1][0][1] == key:
+            runs[-1][1].append(start)
+        else:
+            runs.append(((start, key), [start]))
+    units = {}
+    for (first, key), members in runs:
+        units[_coalesce(step, members) if len(members) > 1 else first] = key[0] or "(root)"
+    return units
+
+
+def _coalesce(step: StepGraph, members: list[torch.fx.Node]) -> torch.fx.Node:
+    """One coalesced all-gather of the members' shards, placed at the first member; each member's
+    wait reads its own output."""
+    graph, first = step.graph, members[0]
+    with graph.inserting_before(first):
+        merged = graph.call_function(_c10d.all_gather_into_tensor_coalesced.default,
+                                     ([m.args[0] for m in members], first.args[1], first.args[2]))
+        merged.meta.update(first.meta)
+        merged.meta["val"] = [m.meta["val"] for m in members]
+        for k, member in enumerate(members):
+            item = graph.call_function(operator.getitem, (merged, k))
+            item.meta.update(member.meta)
+            member.replace_all_uses_with(item)
+    for member in members:
+        graph.erase_node(member)
+    return merged
 
 
 def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
@@ -135,15 +223,18 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -
     return starts
 
 
-def _prefetch_one_ahead(step: StepGraph, starts: list[torch.fx.Node]) -> None:
-    """Start each all-gather (in graph order) just before the previous one's wait, where that wait
-    comes before it (its input is a placeholder, so it may start anywhere)."""
+def _prefetch_one_ahead(step: StepGraph, starts) -> None:
+    """Start each all-gather (in graph order) just before the previous one's first wait, where that
+    wait comes before it (its inputs are placeholders, so it may start anywhere; a coalesced one
+    takes its results' getitems along)."""
     order = {node: i for i, node in enumerate(step.graph.nodes)}
     starts = sorted(starts, key=lambda n: order[n])
     for previous, start in zip(starts, starts[1:]):
-        wait = _wait_of(previous)
+        wait = _first_wait(previous, order)
         if wait is not None and order[wait] < order[start]:
-            wait.prepend(start)
+            items = [u for u in start.users if u.target is operator.getitem]
+            for node in [start, *sorted(items, key=lambda n: order[n])]:
+                wait.prepend(node)
 
 
 def _names(names, most: int = 8) -> str:
