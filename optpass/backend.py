@@ -174,8 +174,10 @@ def check_fully_sharded(captured, options) -> None:
     if whole:
         raise OptpassError(
             f"data_parallel='fsdp': parameter(s) {', '.join(whole[:3])} get gradients in this step but are not "
-            "sharded (another model, or one built after optpass.fully_shard): their gradients would stay this "
-            "rank's own. Pass every model the step trains to optpass.fully_shard.")
+            "sharded (another model, or one built after optpass.fully_shard, or a part of the model left out "
+            "when fully_shard was called on its blocks only): their gradients would stay this rank's own. Pass "
+            "every model the step trains to optpass.fully_shard, each whole and once: optpass finds the units "
+            "(the blocks of a ModuleList) itself, so FSDP2's fully_shard(block) for each block is not needed.")
     params = [p for group in options.optimizer.param_groups for p in group["params"]]
     replaced = [replaced_name(p) for p in params if replaced_name(p) is not None]
     if replaced:

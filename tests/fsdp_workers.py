@@ -369,6 +369,21 @@ def not_fully_sharded(rank, world, workdir):
     return _compile_and_run(model, adamw(model), rank, world)
 
 
+def fsdp2_style_blocks_then_root(rank, world, workdir):
+    """FSDP2's habit: fully_shard on each block, then on the root."""
+    model = mlp()
+    optpass.fully_shard(model[0])
+    optpass.fully_shard(model)
+    return {}
+
+
+def fsdp2_style_blocks_only(rank, world, workdir):
+    """fully_shard on a block only: the rest of the model trains unsharded."""
+    model = mlp()
+    optpass.fully_shard(model[0])
+    return _compile_and_run(model, adamw(model), rank, world)
+
+
 def optimizer_before_fully_shard(rank, world, workdir):
     model = mlp()
     opt = adamw(model)

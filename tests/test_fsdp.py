@@ -21,7 +21,7 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
        "hf_llama", "hf_gpt2_tied", "clip_grad_norm_option", "fp16_scaler_with_an_inf_on_one_rank",
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_coalesced",
-       "coalesced_units"]
+       "coalesced_units", "fsdp2_style_blocks_then_root", "fsdp2_style_blocks_only"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
          "coalesced_units_inductor"]
 
@@ -126,6 +126,8 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_three(two, three):
     ("clip_grad_norm_in_the_step", "OptpassError", "fsdp_workers.py"),
     ("options_differ", "RanksDisagree", "option optimizer_in_backward is True on rank 0 but False on rank 1"),
     ("non_elementwise_optimizer", "OptpassError", "Adafactor's update is not elementwise"),
+    ("fsdp2_style_blocks_then_root", "OptpassError", "FSDP2's fully_shard(block) for each block first is not needed"),
+    ("fsdp2_style_blocks_only", "OptpassError", "a part of the model left out when fully_shard was called on its"),
 ])
 def test_refusals_name_the_fix_on_every_rank(two, program, kind, what):
     messages = set()
