@@ -120,8 +120,9 @@ def _run_once(world: int, fn, args, timeout_s: float, pg_timeout_s: float) -> li
                                        f"(exit codes {[p.exitcode for p in processes]})"
                                        + _tails(log_paths, dead)) from None
     finally:
+        crashed = any((p.exitcode or 0) < 0 for p in processes)     # then the others are not waited for
         for p in processes:
-            p.join(timeout=30 if p.exitcode is None and all((q.exitcode or 0) >= 0 for q in processes) else 0)
+            p.join(timeout=0 if crashed else 30)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -9,6 +9,7 @@ counter rounds the compiled bias correction differently from eager's Python floa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 import warnings
@@ -149,13 +150,22 @@ def equivalence_two_configs(rank, world, workdir):
     return equivalence(rank, world, workdir, configs=(("eager", False), ("inductor", True)))
 
 
-def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
-    """equivalence() with each unit's gathers coalesced into one all-gather (what every backend but
-    gloo gets), both lowerings; and the count of forward all-gathers explain reports."""
+@contextlib.contextmanager
+def coalescing_units():
+    """Each unit's gathers coalesced into one all-gather on gloo too (what every other backend gets)."""
     from optpass.passes import reshard_after_forward
 
     reshard_after_forward.COALESCE_UNITS = True
     try:
+        yield
+    finally:
+        reshard_after_forward.COALESCE_UNITS = "auto"
+
+
+def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
+    """equivalence() with each unit's gathers coalesced into one all-gather (what every backend but
+    gloo gets), both lowerings; and the count of forward all-gathers explain reports."""
+    with coalescing_units():
         results = equivalence(rank, world, workdir, configs)
         torch._dynamo.reset()
         model = mlp()
@@ -166,8 +176,6 @@ def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor",
             make_step(model, opt), mine(x, rank, world), mine(y, rank, world),
             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}))
         return results
-    finally:
-        reshard_after_forward.COALESCE_UNITS = "auto"
 
 
 def coalesced_units_inductor(rank, world, workdir):
@@ -668,10 +676,5 @@ def reshard_graph_diff(rank, world, workdir):
 
 def reshard_graph_diff_coalesced(rank, world, workdir):
     """reshard_graph_diff with each unit's gathers coalesced (every backend but gloo)."""
-    from optpass.passes import reshard_after_forward
-
-    reshard_after_forward.COALESCE_UNITS = True
-    try:
+    with coalescing_units():
         return reshard_graph_diff(rank, world, workdir)
-    finally:
-        reshard_after_forward.COALESCE_UNITS = "auto"

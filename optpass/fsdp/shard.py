@@ -153,9 +153,8 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
                            f"already ({', '.join(already[:3])}): call fully_shard once, on the whole model. "
                            "optpass finds the units itself (a block of a ModuleList or Sequential: one all-gather "
                            "per block, per parameter on gloo), so FSDP2's fully_shard(block) for each block first "
-                           "is not needed; those "
-                           "parts are sharded now: build the model again and call optpass.fully_shard(model) "
-                           "alone.")
+                           "is not needed; those parts are sharded now: build the model again and call "
+                           "optpass.fully_shard(model) alone.")
     named = list(module.named_parameters(remove_duplicate=True))
     # every rank the same model, before any collective (a mismatch would hang in the broadcast)
     agree(group, "fsdp", [("parameters", [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]),

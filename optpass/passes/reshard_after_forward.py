@@ -121,10 +121,6 @@ def unit_of(name: str) -> str:
     return ".".join(parts[:-1])
 
 
-def _wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
-    return next((u for u in start.users if u.target is _c10d.wait_tensor.default), None)
-
-
 def _first_wait(start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
     """The first wait on an all-gather's result (on any of a coalesced one's results)."""
     outputs = [start] if start.target is _c10d.all_gather_into_tensor.default else \
@@ -148,17 +144,15 @@ def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coal
     starts = sorted(starts, key=lambda item: order[item[0]])
     if not coalesce:
         return {start: name for start, name in starts}
-    runs: list[tuple[tuple[torch.fx.Node, tuple], list[torch.fx.Node]]] = []
+    runs: list[tuple[tuple, list[torch.fx.Node]]] = []      # (unit, dtype, world, group), its gathers
     for start, name in starts:
         key = (unit_of(name), start.meta["val"].dtype, start.args[1], start.args[2])
-        if runs and runs[-1][0][1] == key:
+        if runs and runs[-1][0] == key:
             runs[-1][1].append(start)
         else:
-            runs.append(((start, key), [start]))
-    units = {}
-    for (first, key), members in runs:
-        units[_coalesce(step, members) if len(members) > 1 else first] = key[0] or "(root)"
-    return units
+            runs.append((key, [start]))
+    return {(_coalesce(step, members) if len(members) > 1 else members[0]): key[0] or "(root)"
+            for key, members in runs}
 
 
 def _coalesce(step: StepGraph, members: list[torch.fx.Node]) -> torch.fx.Node:
@@ -192,7 +186,7 @@ def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -> list[torch.fx.Node] | None:
-    wait = _wait_of(start)
+    wait = _first_wait(start, order)
     if wait is None:
         return None
     chain = sorted(_chain(wait), key=lambda n: order[n])
