@@ -94,13 +94,29 @@ def train(rank, world, make_model, make_opt, steps=STEPS, batches=batch, **optio
     losses = []
     for i in range(steps):
         x, y = batches(i, world)
-        loss = step(mine(x, rank, world), mine(y, rank, world))
+        with _gathers_counted(last=i == steps - 1) as gathers:
+            loss = step(mine(x, rank, world), mine(y, rank, world))
         reference_loss = reference_step(x, y)
         full_loss = loss.clone()
         dist.all_reduce(full_loss)
         losses.append(abs(full_loss.item() / world - reference_loss.item()))
     return model, opt, reference, {"vs_one_process": worst(optpass.full_state_dict(model), reference),
-                                   "loss": max(losses)}
+                                   "loss": max(losses), "gathers": gathers}
+
+
+@contextlib.contextmanager
+def _gathers_counted(last: bool):
+    """With ``last``, how many all-gathers of each kind the step ran (the profiler's count of the ops
+    the compiled code called: what ran, even when a cached compiled graph served the step)."""
+    counts: dict = {}
+    if not last:
+        yield counts
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield counts
+    for event in profile.key_averages():
+        if event.key.startswith("_c10d_functional::all_gather_into_tensor"):
+            counts[event.key.split("::")[1]] = event.count
 
 
 def adamw(model):
@@ -151,15 +167,24 @@ def equivalence_two_configs(rank, world, workdir):
 
 
 @contextlib.contextmanager
-def coalescing_units():
-    """Each unit's gathers coalesced into one all-gather on gloo too (what every other backend gets)."""
+def reshard_settings(**settings):
+    """reshard_after_forward's backend-dependent choices forced (COALESCE_UNITS, PREFETCH), as on
+    every backend but gloo."""
     from optpass.passes import reshard_after_forward
 
-    reshard_after_forward.COALESCE_UNITS = True
+    for name, value in settings.items():
+        setattr(reshard_after_forward, name, value)
     try:
         yield
     finally:
-        reshard_after_forward.COALESCE_UNITS = "auto"
+        for name in settings:
+            setattr(reshard_after_forward, name, "auto")
+
+
+def coalescing_units():
+    """Each unit's gathers coalesced into one all-gather on gloo too (what every other backend gets);
+    not prefetched, which gloo must not run (docs/design.md §45)."""
+    return reshard_settings(COALESCE_UNITS=True)
 
 
 def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
@@ -674,7 +699,46 @@ def reshard_graph_diff(rank, world, workdir):
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
 
 
-def reshard_graph_diff_coalesced(rank, world, workdir):
-    """reshard_graph_diff with each unit's gathers coalesced (every backend but gloo)."""
-    with coalescing_units():
-        return reshard_graph_diff(rank, world, workdir)
+def _explained_step_graph(model, opt, x, y, **options):
+    """The step graph after the passes, from optpass.explain: traced, rewritten, never run."""
+    optpass.explain(make_step(model, opt), x, y, options={"optimizer": opt, "data_parallel": "fsdp", **options})
+    report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+    return report
+
+
+def reshard_graph_diff_off_gloo(rank, world, workdir):
+    """reshard_graph_diff as every backend but gloo gets it (units coalesced, each gather
+    prefetched), from explain: gloo must not run it (docs/design.md §45)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optpass.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+    with reshard_settings(COALESCE_UNITS=True, PREFETCH=True):
+        report = _explained_step_graph(model, opt, mine(x, rank, world), mine(y, rank, world),
+                                       passes=["reshard_after_forward"])
+    return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
+
+
+def no_collective_beside_an_all_gather_on_gloo(rank, world, workdir):
+    """The pairs of collectives in flight at once with an all-gather among them, in the final step
+    graph of each fsdp configuration on gloo (none may be: §45), and with prefetch forced (some)."""
+    from optpass.passes.reshard_after_forward import collectives_in_flight_with_an_all_gather
+
+    configs = {"after_backward": {}, "in_backward": {"optimizer_in_backward": True},
+               "clip_in_backward": {"optimizer_in_backward": True, "clip_grad_norm": 0.05},
+               "clip_after_backward": {"clip_grad_norm": 0.05},
+               "accumulation_in_backward": {"optimizer_in_backward": True, "accumulation_steps": 2}}
+    found = {}
+    for name, options in configs.items():
+        for settings in ({}, {"COALESCE_UNITS": True}, {"PREFETCH": True}):
+            torch._dynamo.reset()
+            model = mlp()
+            optpass.fully_shard(model)
+            opt = adamw(model)
+            x, y = batch(0, world)
+            with reshard_settings(**settings):
+                report = _explained_step_graph(model, opt, mine(x, rank, world), mine(y, rank, world), **options)
+            key = name + "".join(f"+{k}" for k in settings)
+            found[key] = collectives_in_flight_with_an_all_gather(report.graph_after)
+    return found

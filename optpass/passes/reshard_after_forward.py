@@ -14,9 +14,13 @@ backward, become one ``all_gather_into_tensor_coalesced`` of their shards at the
 (one collective per unit, as FSDP2's; every shard keeps its own output, so a parameter is still a
 slice of it, no copy in the graph). Not on gloo: its coalesced all-gather goes through one flat
 buffer of the whole unit and copies out of it, which raised the 8 x 2048^2 MLP's peak by one unit
-(264.7 -> 280.6 MiB at 2 ranks) for no step time gained (``bench/fsdp.py``, docs/fsdp.md). Then
-the gathers are prefetched one ahead, in forward and in backward: each all-gather (each unit's)
-starts just before the previous one's first wait, so the next travels while this one is used.
+(264.7 -> 280.6 MiB at 2 ranks) for no step time gained (``bench/fsdp.py``, docs/fsdp.md). Then,
+again on every backend but gloo (``PREFETCH``), the gathers are prefetched one ahead, in forward
+and in backward: each all-gather (each unit's) starts just before the previous one's first wait,
+so the next travels while this one is used. Not on gloo: there a functional all-gather in flight
+while another collective starts corrupts the process's heap (torch 2.13; docs/design.md §45), so
+each all-gather starts after the previous one's wait and the graph never has two collectives in
+flight with an all-gather among them (``collectives_in_flight_with_an_all_gather`` checks it).
 Effect: a gathered parameter dies after its last forward use and lives again only around its
 backward use, so at most the parameters in flight and in use are whole at any time (docs/design.md
 §39: the one graph holds forward and backward, so this is the recompute decision, taken the same way
@@ -56,6 +60,15 @@ INDUCTOR_CONFIG = KEEP_EMITTED_ORDER
 # Whether a unit's gathers become one coalesced all-gather: "auto" (every backend but gloo: above),
 # True or False.
 COALESCE_UNITS: bool | str = "auto"
+# Whether each all-gather starts before the previous one's wait: "auto" (every backend but gloo,
+# where it would put two collectives in flight with an all-gather among them: §45), True or False.
+PREFETCH: bool | str = "auto"
+
+
+def settings() -> tuple:
+    """The module's switches, for the compiled-graph cache's key: a graph rewritten under other
+    switches must not be served from the cache."""
+    return COALESCE_UNITS, PREFETCH
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -71,17 +84,22 @@ def run(step: StepGraph, options) -> str | None:
             continue
         for copy in _regather_for_backward(step, start, order) or ():
             regathered.append((copy, name))
-    coalesce = _coalesces(gathers[0][2], gathers[0][0])
+    on_gloo = _on_gloo(gathers[0][2], gathers[0][0])
+    coalesce = not on_gloo if COALESCE_UNITS == "auto" else bool(COALESCE_UNITS)
+    prefetch = not on_gloo if PREFETCH == "auto" else bool(PREFETCH)
     forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce)
     backward_units = _gather_units(step, regathered, coalesce)
-    _prefetch_one_ahead(step, forward_units)
-    _prefetch_one_ahead(step, backward_units)
+    if prefetch:
+        _prefetch_one_ahead(step, forward_units)
+        _prefetch_one_ahead(step, backward_units)
     kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
     reduced = sum(1 for n in step.graph.nodes if n.target is _c10d.reduce_scatter_tensor.default)
     per = (f"one per unit: {_names(forward_units.values())}" if coalesce else
            "one per parameter: units are coalesced on every backend but gloo")
+    when = ("each started before the previous one's wait" if prefetch else
+            "each started after the previous one's wait (gloo: no collective beside an all-gather in flight)")
     step.notes.append(f"all-gathered in forward just before first use, {len(forward_units)} collective(s) for "
-                      f"{len(gathers)} parameters ({per}), each started before the previous one's wait: "
+                      f"{len(gathers)} parameters ({per}), {when}: "
                       f"{_names(name for _, name, _ in gathers)}")
     step.notes.append(f"all-gathered again in backward just before backward reads them (the forward's copy "
                       f"died after its last forward use), {len(backward_units)} collective(s): "
@@ -129,10 +147,34 @@ def _first_wait(start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
     return min(waits, key=lambda n: order[n]) if waits else None
 
 
-def _coalesces(spec, start: torch.fx.Node) -> bool:
-    if COALESCE_UNITS != "auto":
-        return bool(COALESCE_UNITS)
-    return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) != "gloo"
+def _on_gloo(spec, start: torch.fx.Node) -> bool:
+    return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) == "gloo"
+
+
+_STARTS = {getattr(_c10d, name).default for name in (
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_", "all_reduce_coalesced",
+    "all_reduce_coalesced_", "broadcast", "broadcast_", "all_to_all_single")}
+_GATHERS = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_coalesced.default}
+
+
+def collectives_in_flight_with_an_all_gather(graph: torch.fx.Graph) -> list[tuple[str, str]]:
+    """Each (collective, collective) pair of the graph, in its order, that is in flight at once
+    (started, not yet waited) with an all-gather among the two: what gloo must never run (§45)."""
+    in_flight: dict[torch.fx.Node, set] = {}      # a start -> the nodes whose wait ends it
+    found = []
+    for node in graph.nodes:
+        if node.target is _c10d.wait_tensor.default:
+            for start, outputs in list(in_flight.items()):
+                if node.args[0] in outputs:
+                    del in_flight[start]
+        elif node.target in _STARTS:
+            for other in in_flight:
+                if node.target in _GATHERS or other.target in _GATHERS:
+                    found.append((other.name, node.name))
+            outputs = {node} | {u for u in node.users if u.target is operator.getitem}
+            in_flight[node] = outputs
+    return found
 
 
 def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coalesce: bool
