@@ -32,14 +32,17 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("fsdp"))
 
 
+# A rank killed by a signal reruns the group once, with a warning that carries its output: gloo's
+# heap corruption (docs/design.md §45) is avoided, yet one unexplained crash was seen since
+# (docs/fsdp.md, "Not yet").
 @pytest.fixture(scope="module")
 def two(workdir):
-    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120))
+    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120, retries_on_crash=1))
 
 
 @pytest.fixture(scope="module")
 def three(two, workdir):          # after two: it resumes two's checkpoint
-    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120))
+    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120, retries_on_crash=1))
 
 
 def _ok(result):
