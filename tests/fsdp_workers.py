@@ -181,16 +181,11 @@ def reshard_settings(**settings):
             setattr(reshard_after_forward, name, "auto")
 
 
-def coalescing_units():
-    """Each unit's gathers coalesced into one all-gather on gloo too (what every other backend gets);
-    not prefetched, which gloo must not run (docs/design.md §45)."""
-    return reshard_settings(COALESCE_UNITS=True)
-
-
 def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
     """equivalence() with each unit's gathers coalesced into one all-gather (what every backend but
-    gloo gets), both lowerings; and the count of forward all-gathers explain reports."""
-    with coalescing_units():
+    gloo gets), both lowerings; and the count of forward all-gathers explain reports. Not
+    prefetched: gloo must not run that (docs/design.md §45)."""
+    with reshard_settings(COALESCE_UNITS=True):
         results = equivalence(rank, world, workdir, configs)
         torch._dynamo.reset()
         model = mlp()
@@ -683,40 +678,44 @@ def batchnorm_as_ddp(rank, world, workdir):
     return results
 
 
-def reshard_graph_diff(rank, world, workdir):
-    """The step graph before and after reshard_after_forward alone (eager lowering), rank 0."""
+def _tiny_sharded(world):
+    """A two-Linear model, fully sharded, its SGD and a whole batch: the graph diffs' step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     optpass.fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+
+
+def _last_step_report():
+    return [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+
+
+def reshard_graph_diff(rank, world, workdir):
+    """The step graph before and after reshard_after_forward alone (eager lowering), rank 0."""
+    model, opt, x, y = _tiny_sharded(world)
     step = torch.compile(make_step(model, opt), backend="optpass",
                          options={"optimizer": opt, "data_parallel": "fsdp", "lower": "eager",
                                   "passes": ["reshard_after_forward"]})
-    x, y = torch.randn(2 * world, 4), torch.randn(2 * world, 2)
     with optpass.keep_graphs():
         step(mine(x, rank, world), mine(y, rank, world))
-    report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
+    report = _last_step_report()
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
 
 
-def _explained_step_graph(model, opt, x, y, **options):
-    """The step graph after the passes, from optpass.explain: traced, rewritten, never run."""
+def _explained_step_report(model, opt, x, y, **options):
+    """The step's report, its graphs before and after the passes, from optpass.explain: traced,
+    rewritten, never run."""
     optpass.explain(make_step(model, opt), x, y, options={"optimizer": opt, "data_parallel": "fsdp", **options})
-    report = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1]
-    return report
+    return _last_step_report()
 
 
 def reshard_graph_diff_off_gloo(rank, world, workdir):
     """reshard_graph_diff as every backend but gloo gets it (units coalesced, each gather
     prefetched), from explain: gloo must not run it (docs/design.md §45)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    optpass.fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+    model, opt, x, y = _tiny_sharded(world)
     with reshard_settings(COALESCE_UNITS=True, PREFETCH=True):
-        report = _explained_step_graph(model, opt, mine(x, rank, world), mine(y, rank, world),
-                                       passes=["reshard_after_forward"])
+        report = _explained_step_report(model, opt, mine(x, rank, world), mine(y, rank, world),
+                                        passes=["reshard_after_forward"])
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
 
 
@@ -738,7 +737,7 @@ def no_collective_beside_an_all_gather_on_gloo(rank, world, workdir):
             opt = adamw(model)
             x, y = batch(0, world)
             with reshard_settings(**settings):
-                report = _explained_step_graph(model, opt, mine(x, rank, world), mine(y, rank, world), **options)
+                report = _explained_step_report(model, opt, mine(x, rank, world), mine(y, rank, world), **options)
             key = name + "".join(f"+{k}" for k in settings)
             found[key] = collectives_in_flight_with_an_all_gather(report.graph_after)
     return found

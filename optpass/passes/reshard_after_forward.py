@@ -151,16 +151,14 @@ def _on_gloo(spec, start: torch.fx.Node) -> bool:
     return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) == "gloo"
 
 
-_STARTS = {getattr(_c10d, name).default for name in (
-    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_", "all_reduce_coalesced",
-    "all_reduce_coalesced_", "broadcast", "broadcast_", "all_to_all_single")}
-_GATHERS = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_coalesced.default}
+def _is_gather(node: torch.fx.Node) -> bool:
+    return getattr(node.target, "__name__", "").startswith("all_gather")
 
 
 def collectives_in_flight_with_an_all_gather(graph: torch.fx.Graph) -> list[tuple[str, str]]:
     """Each (collective, collective) pair of the graph, in its order, that is in flight at once
-    (started, not yet waited) with an all-gather among the two: what gloo must never run (§45)."""
+    (started, not yet waited) with an all-gather among the two: what gloo must never run (§45).
+    A collective is any functional one (``_c10d_functional``) but ``wait_tensor``."""
     in_flight: dict[torch.fx.Node, set] = {}      # a start -> the nodes whose wait ends it
     found = []
     for node in graph.nodes:
@@ -168,9 +166,9 @@ def collectives_in_flight_with_an_all_gather(graph: torch.fx.Graph) -> list[tupl
             for start, outputs in list(in_flight.items()):
                 if node.args[0] in outputs:
                     del in_flight[start]
-        elif node.target in _STARTS:
+        elif getattr(node.target, "namespace", None) == "_c10d_functional":
             for other in in_flight:
-                if node.target in _GATHERS or other.target in _GATHERS:
+                if _is_gather(node) or _is_gather(other):
                     found.append((other.name, node.name))
             outputs = {node} | {u for u in node.users if u.target is operator.getitem}
             in_flight[node] = outputs
