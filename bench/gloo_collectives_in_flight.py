@@ -3,18 +3,20 @@
 For each pair of collectives (``--pairs``; ``ag``: ``all_gather_into_tensor``, ``rs``:
 ``reduce_scatter_tensor``, ``ar``: ``all_reduce``, ``ag-c10d``: c10d's asynchronous
 ``all_gather_into_tensor``, the one FSDP2 calls), 2 gloo ranks run ``--iters`` rounds of six
-collectives where each starts before the previous one's wait, as a prefetching step graph would,
-and the same one at a time. A rank killed by a signal (glibc's ``malloc(): unaligned tcache chunk
-detected``, a segmentation fault) is reported as ``crashed``, with its last output line.
+collectives where each starts before the previous one's wait, as a prefetching step graph would:
+on the default group (gloo's two worker threads), and on the twin with one worker thread that
+optpass runs a fully sharded model's collectives on (``optpass.process_groups``); and the same
+one at a time on the default group. A rank killed by a signal (glibc's ``malloc(): unaligned tcache
+chunk detected``, a segmentation fault) is reported as ``crashed``, with its last output line.
 
     python3 bench/gloo_collectives_in_flight.py                  # every pair, ~3 min
     python3 bench/gloo_collectives_in_flight.py --pairs ag ar    # some
 
-On torch 2.13 (2 ranks, 2-core AMD EPYC) ``ag`` beside ``ag`` crashed a rank in 9 of 10 runs
-(3,000 to 20,000 rounds), beside ``rs`` or ``ar`` in half the runs; ``ar``, ``rs`` and ``ag-c10d`` in
-pairs and every collective one at a time ran their rounds. ``optpass.passes.reshard_after_forward``
-therefore prefetches no all-gather on gloo (``PREFETCH``); once ``ag`` runs every round, run after
-run, on a new torch, it may again.
+On torch 2.13 (2 ranks, 2-core AMD EPYC) ``ag`` beside ``ag`` on two worker threads crashed a rank
+in 9 of 10 runs (3,000 to 20,000 rounds), beside ``rs`` or ``ar`` in half the runs; ``ar``, ``rs`` and
+``ag-c10d`` in pairs and every collective one at a time ran their rounds; on one worker thread
+every pair ran every round (``ag``: 20,000 rounds in each of 4 runs). So optpass sends a fully
+sharded model's collectives on gloo through the one-thread twin, and prefetches there too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def child(args) -> None:
     init_gloo(args.rank, args.world, args.port, timeout_s=120)
     functional, world = torch.ops._c10d_functional, args.world
     group = _get_default_group().group_name
+    if args.one_thread:
+        from optpass.process_groups import collective_group_name
+
+        group = collective_group_name(_get_default_group(), "cpu")
     shards = [torch.randn(rows, 13, dtype=torch.float64) for rows in (7, 1, 7, 1, 3, 1)]
 
     def start(kind, x):
@@ -74,15 +80,20 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pair", default="ag", help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--one-thread", action="store_true", help=argparse.SUPPRESS)
     add_rank_flags(parser)
     args = parser.parse_args()
     if args.child:
         return child(args)
     results = {}
     for pair in args.pairs:
-        for in_flight in (True, False):
-            cmd = child_command(__file__, child=True, pair=pair, in_flight=in_flight, iters=args.iters, world=2)
-            key = f"{pair} {'in flight at once' if in_flight else 'one at a time'}"
+        for in_flight, one_thread in ((True, False), (True, True), (False, False)):
+            if one_thread and pair == "ag-c10d":      # c10d's own API runs on the user's groups only
+                continue
+            cmd = child_command(__file__, child=True, pair=pair, in_flight=in_flight, one_thread=one_thread,
+                                iters=args.iters, world=2)
+            key = (f"{pair} {'in flight at once' if in_flight else 'one at a time'} on "
+                   f"{'one worker thread' if one_thread else 'two worker threads'}")
             try:
                 run_ranks(cmd, 2, env=child_env(threads=1), timeout=600)
                 results[key] = "ran every round"

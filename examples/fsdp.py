@@ -112,10 +112,11 @@ for v in variants:
 # The step graph before and after the passes (rank 0). For each Linear weight the
 # forward reads an all-gather of the shards (`all_gather_into_tensor` + `wait_tensor` +
 # a slice and a view); `reshard_after_forward` adds a second gather just before backward
-# reads the weight, so the forward's copy dies after its last forward use. On gloo (here)
-# each gather starts after the previous collective's wait: gloo corrupts a rank's heap when an
-# all-gather is in flight beside another collective (docs/design.md §45); on NCCL each gather
-# starts before the previous one's wait (prefetch). The `reduce_scatter_tensor` in backward comes from
+# reads the weight, so the forward's copy dies after its last forward use. Each gather starts
+# before the previous one's wait (prefetch: the next travels while this one is used). On gloo
+# (here) every collective names the group's twin with one worker thread, `'0/optpass-one-thread'`:
+# gloo's two threads corrupt a rank's heap when they run two collectives at once (docs/design.md
+# §45); on NCCL each unit's gathers are one coalesced all-gather. The `reduce_scatter_tensor` in backward comes from
 # the gather's gradient; `optimizer_in_backward` puts AdamW's update of the shard right
 # after it. Below: every collective the passes added, then the lines of the last unit.
 

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 
 import torch.multiprocessing as mp
 
@@ -70,21 +69,11 @@ class RankCrashed(RuntimeError):
     """A rank's process was killed by a signal (an abort in C++, a segfault)."""
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float = 60,
-              retries_on_crash: int = 0) -> list:
+def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float = 60) -> list:
     """``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; each rank's return value (or its
-    RankError). A rank killed by a signal fails the call with the end of its output; the whole
-    group is run again up to ``retries_on_crash`` times first, with a warning that carries that
-    output, so the crash stays visible in the test report (docs/fsdp.md, "Not yet": gloo's heap
-    corruption, §45, is avoided, yet one unexplained crash was seen since)."""
-    for attempt in range(retries_on_crash + 1):
-        try:
-            return _run_once(world, fn, args, timeout_s, pg_timeout_s)
-        except RankCrashed as crash:
-            if attempt == retries_on_crash:
-                raise
-            warnings.warn(f"run_ranks: a rank crashed; running the {world} ranks again. {crash}", stacklevel=2)
-    raise AssertionError("unreachable")
+    RankError). A rank killed by a signal (an abort in C++, a segfault) fails the call with the
+    end of its output: no rerun."""
+    return _run_once(world, fn, args, timeout_s, pg_timeout_s)
 
 
 def _run_once(world: int, fn, args, timeout_s: float, pg_timeout_s: float) -> list:

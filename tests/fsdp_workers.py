@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import traceback
 import warnings
 
@@ -168,23 +169,23 @@ def equivalence_two_configs(rank, world, workdir):
 
 @contextlib.contextmanager
 def reshard_settings(**settings):
-    """reshard_after_forward's backend-dependent choices forced (COALESCE_UNITS, PREFETCH), as on
-    every backend but gloo."""
+    """reshard_after_forward's switches set (COALESCE_UNITS: True as on every backend but gloo;
+    PREFETCH), restored after."""
     from optpass.passes import reshard_after_forward
 
+    saved = {name: getattr(reshard_after_forward, name) for name in settings}
     for name, value in settings.items():
         setattr(reshard_after_forward, name, value)
     try:
         yield
     finally:
-        for name in settings:
-            setattr(reshard_after_forward, name, "auto")
+        for name, value in saved.items():
+            setattr(reshard_after_forward, name, value)
 
 
 def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor", False))):
     """equivalence() with each unit's gathers coalesced into one all-gather (what every backend but
-    gloo gets), both lowerings; and the count of forward all-gathers explain reports. Not
-    prefetched: gloo must not run that (docs/design.md §45)."""
+    gloo gets), prefetched, both lowerings; and the count of forward all-gathers explain reports."""
     with reshard_settings(COALESCE_UNITS=True):
         results = equivalence(rank, world, workdir, configs)
         torch._dynamo.reset()
@@ -710,34 +711,78 @@ def _explained_step_report(model, opt, x, y, **options):
 
 
 def reshard_graph_diff_off_gloo(rank, world, workdir):
-    """reshard_graph_diff as every backend but gloo gets it (units coalesced, each gather
-    prefetched), from explain: gloo must not run it (docs/design.md §45)."""
+    """reshard_graph_diff as every backend but gloo gets it (units coalesced), from explain."""
     model, opt, x, y = _tiny_sharded(world)
-    with reshard_settings(COALESCE_UNITS=True, PREFETCH=True):
+    with reshard_settings(COALESCE_UNITS=True):
         report = _explained_step_report(model, opt, mine(x, rank, world), mine(y, rank, world),
                                         passes=["reshard_after_forward"])
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
 
 
-def no_collective_beside_an_all_gather_on_gloo(rank, world, workdir):
-    """The pairs of collectives in flight at once with an all-gather among them, in the final step
-    graph of each fsdp configuration on gloo (none may be: §45), and with prefetch forced (some)."""
-    from optpass.passes.reshard_after_forward import collectives_in_flight_with_an_all_gather
+def gloo_collectives_run_on_one_thread(rank, world, workdir):
+    """For the final step graph of each fsdp configuration on gloo (units per parameter, and
+    coalesced): {group name: its gloo worker threads} of every collective, and how many pairs of
+    collectives are in flight at once (prefetch). gloo's two threads must never run two at once (§45)."""
+    from optpass.process_groups import gloo_worker_threads
 
     configs = {"after_backward": {}, "in_backward": {"optimizer_in_backward": True},
                "clip_in_backward": {"optimizer_in_backward": True, "clip_grad_norm": 0.05},
                "clip_after_backward": {"clip_grad_norm": 0.05},
-               "accumulation_in_backward": {"optimizer_in_backward": True, "accumulation_steps": 2}}
+               "accumulation_in_backward": {"optimizer_in_backward": True, "accumulation_steps": 2},
+               "fp16_scaler_in_backward": {"optimizer_in_backward": True, "master_weights": torch.float32,
+                                           "grad_scaler": torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)}}
     found = {}
     for name, options in configs.items():
-        for settings in ({}, {"COALESCE_UNITS": True}, {"PREFETCH": True}):
+        for settings in ({}, {"COALESCE_UNITS": True}):
             torch._dynamo.reset()
-            model = mlp()
+            half = "grad_scaler" in options
+            model = mlp().half() if half else mlp()
             optpass.fully_shard(model)
             opt = adamw(model)
             x, y = batch(0, world)
+            x, y = (x.half(), y.half()) if half else (x, y)
             with reshard_settings(**settings):
                 report = _explained_step_report(model, opt, mine(x, rank, world), mine(y, rank, world), **options)
-            key = name + "".join(f"+{k}" for k in settings)
-            found[key] = collectives_in_flight_with_an_all_gather(report.graph_after)
+            starts = [n for n in report.graph_after.nodes
+                      if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target.__name__ != "wait_tensor.default"]
+            groups = {n.args[-1]: gloo_worker_threads(n.args[-1]) for n in starts}
+            found[name + "".join(f"+{k}" for k in settings)] = {"groups": groups, "in_flight": _pairs_in_flight(report.graph_after)}
     return found
+
+
+def _pairs_in_flight(graph) -> int:
+    """How many (collective, collective) pairs of the graph are started and not yet waited at once."""
+    waits_of = {}       # a start -> the nodes whose wait ends it
+    pairs = 0
+    for node in graph.nodes:
+        if getattr(node.target, "namespace", None) != "_c10d_functional":
+            continue
+        if node.target.__name__ == "wait_tensor.default":
+            waits_of = {start: outs for start, outs in waits_of.items() if node.args[0] not in outs}
+        else:
+            pairs += len(waits_of)
+            waits_of[node] = {node} | {u for u in node.users if u.target is operator.getitem}
+    return pairs
+
+
+def one_thread_twin_lifecycle(rank, world, workdir):
+    """optpass.process_groups on gloo: the twin of the default group (one worker thread, made once),
+    collectives in flight at once on it, and a new twin after destroy_process_group + a new
+    init_process_group (the old one shut down); the process must then exit cleanly."""
+    from optpass.process_groups import collective_group_name, gloo_worker_threads
+
+    c10d = torch.ops._c10d_functional
+    name = collective_group_name(dist.group.WORLD, "cpu")
+    result = {"name": name, "threads": gloo_worker_threads(name), "user_threads": gloo_worker_threads("0"),
+              "same_again": collective_group_name(dist.group.WORLD, "cpu") == name}
+    shards = [torch.full((rows, 3), float(rank)) for rows in (2, 1, 3)]
+    for _ in range(200):
+        started = [c10d.all_gather_into_tensor(x, world, name) for x in shards]     # all in flight
+        gathered = [c10d.wait_tensor(t) for t in started]
+    result["gathered"] = [g[:, 0].tolist() for g in gathered]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    again = collective_group_name(dist.group.WORLD, "cpu")
+    result.update(again=again, again_threads=gloo_worker_threads(again),
+                  again_gathered=c10d.wait_tensor(c10d.all_gather_into_tensor(shards[1], world, again)).tolist())
+    return result

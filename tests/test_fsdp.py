@@ -21,7 +21,7 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
        "hf_llama", "hf_gpt2_tied", "clip_grad_norm_option", "fp16_scaler_with_an_inf_on_one_rank",
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_off_gloo",
-       "no_collective_beside_an_all_gather_on_gloo", "coalesced_units", "fsdp2_style_blocks_then_root",
+       "gloo_collectives_run_on_one_thread", "coalesced_units", "fsdp2_style_blocks_then_root",
        "fsdp2_style_blocks_only"]
 THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
          "coalesced_units_inductor"]
@@ -32,17 +32,17 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("fsdp"))
 
 
-# A rank killed by a signal reruns the group once, with a warning that carries its output: gloo's
-# heap corruption (docs/design.md §45) is avoided, yet one unexplained crash was seen since
-# (docs/fsdp.md, "Not yet").
+# A rank killed by a signal fails the tests with its output (no rerun): the shards' collectives run
+# on gloo through a twin group with one worker thread, which gloo's heap corruption needs two of
+# (docs/design.md §45).
 @pytest.fixture(scope="module")
 def two(workdir):
-    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120, retries_on_crash=1))
+    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120))
 
 
 @pytest.fixture(scope="module")
 def three(two, workdir):          # after two: it resumes two's checkpoint
-    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120, retries_on_crash=1))
+    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120))
 
 
 def _ok(result):
@@ -220,18 +220,37 @@ def test_batchnorm_running_statistics_are_rank_zeros_as_under_ddp(two):
 
 def test_reshard_after_forward_graph_diff(two):
     """On gloo, one all-gather per parameter: the second Linear's weight is gathered again just
-    before backward reads it (the first's is not read by backward: no input gradient), and each
-    gather starts after the previous one's wait (gloo: docs/design.md §45)."""
+    before backward reads it (the first's is not read by backward: no input gradient); each gather
+    starts before the previous one's wait (prefetch), all on the group's twin with one worker thread
+    ('0/optpass-one-thread': gloo, docs/design.md §45)."""
     assert_expected_inline(_ok(two[0]["reshard_graph_diff"])["diff"], """\
 --- before
 +++ after
+@@ -7,2 +7,3 @@
+ all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in0, 2, '0/optpass-one-thread')
++all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0/optpass-one-thread')
+ wait_tensor_0 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
+@@ -10,3 +11,3 @@
+ view_0 = aten.view(slice_0, [3, 4])
+-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0/optpass-one-thread')
++all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0/optpass-one-thread')
+ wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
+@@ -18,3 +19,3 @@
+ detach_0 = aten.detach(tanh_0)
+-all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0/optpass-one-thread')
++all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0/optpass-one-thread')
+ wait_tensor_2 = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+@@ -22,3 +23,2 @@
+ view_2 = aten.view(slice_2, [2, 3])
+-all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0/optpass-one-thread')
+ wait_tensor_3 = _c10d_functional.wait_tensor(all_gather_into_tensor_3)
 @@ -32,37 +32,43 @@
  t_2 = aten.t(t_1)
 -mm_0 = aten.mm(mse_loss_backward_0, t_2)
 -t_3 = aten.t(mse_loss_backward_0)
 -mm_1 = aten.mm(t_3, tanh_0)
 -t_4 = aten.t(mm_1)
-+all_gather_into_tensor_4 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
++all_gather_into_tensor_4 = _c10d_functional.all_gather_into_tensor(in3, 2, '0/optpass-one-thread')
 +wait_tensor_4 = _c10d_functional.wait_tensor(all_gather_into_tensor_4)
 +slice_4 = aten.slice.Tensor(wait_tensor_4, 0, 0, 2)
 +view_4 = aten.view(slice_4, [2, 3])
@@ -245,21 +264,21 @@ def test_reshard_after_forward_graph_diff(two):
 -view_4 = aten.view(sum_0, [2])
 -t_5 = aten.t(t_4)
 -view_5 = aten.view(view_4, [2])
--reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0')
+-reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_4 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
 -div_0 = aten.div.Tensor(wait_tensor_4, 2)
 -view_6 = aten.view(t_5, [2, 3])
--reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
+-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
 -div_1 = aten.div.Tensor(wait_tensor_5, 2)
 +view_5 = aten.view(sum_0, [2])
 +t_7 = aten.t(t_6)
 +view_6 = aten.view(view_5, [2])
-+reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
++reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0/optpass-one-thread')
 +wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
 +div_0 = aten.div.Tensor(wait_tensor_5, 2)
 +view_7 = aten.view(t_7, [2, 3])
-+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0')
++reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0/optpass-one-thread')
 +wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
 +div_1 = aten.div.Tensor(wait_tensor_6, 2)
  detach_1 = aten.detach(detach_0)
@@ -281,7 +300,7 @@ def test_reshard_after_forward_graph_diff(two):
 +view_9 = aten.view(view_8, [3])
 +new_zeros_0 = aten.new_zeros(view_9, [1], pin_memory=False)
 +cat_0 = aten.cat([view_9, new_zeros_0])
- reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0')
+ reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
 -div_2 = aten.div.Tensor(wait_tensor_6, 2)
 -view_9 = aten.view(t_8, [3, 4])
@@ -292,7 +311,7 @@ def test_reshard_after_forward_graph_diff(two):
 +view_10 = aten.view(t_10, [3, 4])
 +new_zeros_1 = aten.new_zeros(view_10, [1, 4], pin_memory=False)
 +cat_1 = aten.cat([view_10, new_zeros_1])
- reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0')
+ reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
 -div_3 = aten.div.Tensor(wait_tensor_7, 2)
 +wait_tensor_8 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
@@ -301,7 +320,7 @@ def test_reshard_after_forward_graph_diff(two):
 
 
 def test_reshard_after_forward_graph_diff_off_gloo(two):
-    """Off gloo (COALESCE_UNITS, PREFETCH; from explain, nothing runs): each Linear's weight and bias
+    """Off gloo (COALESCE_UNITS; from explain, nothing runs): each Linear's weight and bias
     are one coalesced all-gather (a unit), the second unit's started before the first unit's first
     wait; the second Linear's weight is gathered again just before backward reads it (the first's
     is not read by backward)."""
@@ -310,29 +329,29 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 +++ after
 @@ -6,8 +6,12 @@
  in5 = placeholder
--all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in0, 2, '0')
+-all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in0, 2, '0/optpass-one-thread')
 -wait_tensor_0 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
-+all_gather_into_tensor_coalesced_0 = _c10d_functional.all_gather_into_tensor_coalesced([in0, in1], 2, '0')
++all_gather_into_tensor_coalesced_0 = _c10d_functional.all_gather_into_tensor_coalesced([in0, in1], 2, '0/optpass-one-thread')
 +getitem_0 = getitem(all_gather_into_tensor_coalesced_0, 0)
 +getitem_1 = getitem(all_gather_into_tensor_coalesced_0, 1)
-+all_gather_into_tensor_coalesced_1 = _c10d_functional.all_gather_into_tensor_coalesced([in3, in4], 2, '0')
++all_gather_into_tensor_coalesced_1 = _c10d_functional.all_gather_into_tensor_coalesced([in3, in4], 2, '0/optpass-one-thread')
 +getitem_2 = getitem(all_gather_into_tensor_coalesced_1, 0)
 +getitem_3 = getitem(all_gather_into_tensor_coalesced_1, 1)
 +wait_tensor_0 = _c10d_functional.wait_tensor(getitem_0)
  slice_0 = aten.slice.Tensor(wait_tensor_0, 0, 0, 3)
  view_0 = aten.view(slice_0, [3, 4])
--all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0')
+-all_gather_into_tensor_1 = _c10d_functional.all_gather_into_tensor(in1, 2, '0/optpass-one-thread')
 -wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
 +wait_tensor_1 = _c10d_functional.wait_tensor(getitem_1)
  slice_1 = aten.slice.Tensor(wait_tensor_1, 0, 0, 3)
 @@ -18,8 +22,6 @@
  detach_0 = aten.detach(tanh_0)
--all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
+-all_gather_into_tensor_2 = _c10d_functional.all_gather_into_tensor(in3, 2, '0/optpass-one-thread')
 -wait_tensor_2 = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 +wait_tensor_2 = _c10d_functional.wait_tensor(getitem_2)
  slice_2 = aten.slice.Tensor(wait_tensor_2, 0, 0, 2)
  view_2 = aten.view(slice_2, [2, 3])
--all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0')
+-all_gather_into_tensor_3 = _c10d_functional.all_gather_into_tensor(in4, 2, '0/optpass-one-thread')
 -wait_tensor_3 = _c10d_functional.wait_tensor(all_gather_into_tensor_3)
 +wait_tensor_3 = _c10d_functional.wait_tensor(getitem_3)
  slice_3 = aten.slice.Tensor(wait_tensor_3, 0, 0, 2)
@@ -342,7 +361,7 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 -t_3 = aten.t(mse_loss_backward_0)
 -mm_1 = aten.mm(t_3, tanh_0)
 -t_4 = aten.t(mm_1)
-+all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in3, 2, '0')
++all_gather_into_tensor_0 = _c10d_functional.all_gather_into_tensor(in3, 2, '0/optpass-one-thread')
 +wait_tensor_4 = _c10d_functional.wait_tensor(all_gather_into_tensor_0)
 +slice_4 = aten.slice.Tensor(wait_tensor_4, 0, 0, 2)
 +view_4 = aten.view(slice_4, [2, 3])
@@ -356,21 +375,21 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 -view_4 = aten.view(sum_0, [2])
 -t_5 = aten.t(t_4)
 -view_5 = aten.view(view_4, [2])
--reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0')
+-reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_5, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_4 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
 -div_0 = aten.div.Tensor(wait_tensor_4, 2)
 -view_6 = aten.view(t_5, [2, 3])
--reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
+-reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
 -div_1 = aten.div.Tensor(wait_tensor_5, 2)
 +view_5 = aten.view(sum_0, [2])
 +t_7 = aten.t(t_6)
 +view_6 = aten.view(view_5, [2])
-+reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0')
++reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_6, 'sum', 2, '0/optpass-one-thread')
 +wait_tensor_5 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
 +div_0 = aten.div.Tensor(wait_tensor_5, 2)
 +view_7 = aten.view(t_7, [2, 3])
-+reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0')
++reduce_scatter_tensor_1 = _c10d_functional.reduce_scatter_tensor(view_7, 'sum', 2, '0/optpass-one-thread')
 +wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
 +div_1 = aten.div.Tensor(wait_tensor_6, 2)
  detach_1 = aten.detach(detach_0)
@@ -392,7 +411,7 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 +view_9 = aten.view(view_8, [3])
 +new_zeros_0 = aten.new_zeros(view_9, [1], pin_memory=False)
 +cat_0 = aten.cat([view_9, new_zeros_0])
- reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0')
+ reduce_scatter_tensor_2 = _c10d_functional.reduce_scatter_tensor(cat_0, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_6 = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
 -div_2 = aten.div.Tensor(wait_tensor_6, 2)
 -view_9 = aten.view(t_8, [3, 4])
@@ -403,7 +422,7 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 +view_10 = aten.view(t_10, [3, 4])
 +new_zeros_1 = aten.new_zeros(view_10, [1, 4], pin_memory=False)
 +cat_1 = aten.cat([view_10, new_zeros_1])
- reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0')
+ reduce_scatter_tensor_3 = _c10d_functional.reduce_scatter_tensor(cat_1, 'sum', 2, '0/optpass-one-thread')
 -wait_tensor_7 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
 -div_3 = aten.div.Tensor(wait_tensor_7, 2)
 +wait_tensor_8 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
@@ -412,14 +431,31 @@ def test_reshard_after_forward_graph_diff_off_gloo(two):
 
 
 
-def test_on_gloo_no_collective_starts_or_runs_beside_an_all_gather(two):
-    """gloo corrupts the heap when a functional all-gather is in flight with another collective
-    (docs/design.md §45): no fsdp step graph on gloo has such a pair; prefetch (every other backend's)
-    would, so the check can fail."""
-    found = _ok(two[0]["no_collective_beside_an_all_gather_on_gloo"])
-    prefetched = {key: pairs for key, pairs in found.items() if key.endswith("+PREFETCH")}
-    assert all(not pairs for key, pairs in found.items() if key not in prefetched), found
-    assert prefetched and all(prefetched.values()), prefetched
+def test_on_gloo_every_collective_runs_on_a_group_with_one_worker_thread(two):
+    """gloo's two worker threads corrupt the heap when they run two functional collectives at once
+    (docs/design.md §45): every collective of every fsdp step graph on gloo names the twin group with
+    one worker thread, never the user's group (two threads); and prefetch is on (collectives in flight
+    at once), which the twin makes safe."""
+    found = {key: graph for key, graph in _ok(two[0]["gloo_collectives_run_on_one_thread"]).items()
+             if key != "warnings"}
+    assert len(found) == 12, found
+    for key, graph in found.items():
+        assert graph["groups"] and all(threads == 1 for threads in graph["groups"].values()), (key, graph)
+        assert all(name.endswith("/optpass-one-thread") for name in graph["groups"]), (key, graph)
+        assert graph["in_flight"] > 0, (key, graph)
+
+
+def test_on_gloo_the_twin_has_one_worker_thread_and_outlives_a_new_init(workdir):
+    """The twin optpass runs a sharded model's collectives on (gloo): one worker thread (the user's
+    group has two), made once per group; all-gathers in flight at once on it, 200 rounds; after
+    destroy_process_group and a new init_process_group a new twin (the old one shut down), and
+    every rank exits cleanly (a rank killed by a signal at exit fails the run)."""
+    for result in values(run_ranks(2, workers.one_thread_twin_lifecycle, workdir, timeout_s=300, pg_timeout_s=60)):
+        assert result["name"] == "0/optpass-one-thread" and result["same_again"], result
+        assert (result["threads"], result["user_threads"]) == (1, 2), result
+        assert result["gathered"] == [[0, 0, 1, 1], [0, 1], [0, 0, 0, 1, 1, 1]], result
+        assert result["again"] == "0/optpass-one-thread.1" and result["again_threads"] == 1, result
+        assert result["again_gathered"] == [[0.0] * 3, [1.0] * 3], result
 
 
 def test_a_unit_is_a_block_of_a_module_list_or_else_a_parameters_module():

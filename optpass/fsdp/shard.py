@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
 from optpass.fsdp.gather import gather
+from optpass.process_groups import collective_group_name
 from optpass.zero1.agreement import agree
 
 
@@ -49,6 +50,8 @@ class ShardSpec:
         world: the number of ranks of the group.
         rank: this rank in the group.
         group: the process group.
+        group_name: the name of the group the shard's collectives run on: ``group``'s, or on gloo its
+            twin with one worker thread (``optpass.process_groups``; docs/design.md §45).
         reshard_after_forward: whether the step gathers the parameter again for backward.
     """
 
@@ -60,11 +63,8 @@ class ShardSpec:
     world: int
     rank: int
     group: object
+    group_name: str
     reshard_after_forward: bool
-
-    @property
-    def group_name(self) -> str:
-        return self.group.group_name
 
     @property
     def valid(self) -> int:
@@ -106,8 +106,13 @@ def replaced_name(tensor) -> str | None:
 
 def optimizer_group(optimizer):
     """The process group the optimizer's parameters are sharded over (None: none is a shard)."""
-    spec = next((s for g in optimizer.param_groups for p in g["params"] if (s := _SPECS.get(p)) is not None), None)
+    spec = optimizer_shard_spec(optimizer)
     return spec.group if spec is not None else None
+
+
+def optimizer_shard_spec(optimizer) -> ShardSpec | None:
+    """The ShardSpec of the optimizer's first sharded parameter (None: none is a shard)."""
+    return next((s for g in optimizer.param_groups for p in g["params"] if (s := _SPECS.get(p)) is not None), None)
 
 
 def sharded_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, ShardSpec]]:
@@ -195,7 +200,7 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     shard = torch.nn.Parameter(torch.cat([mine, padding]) if padding.shape[0] else mine.clone(),
                                requires_grad=full.requires_grad)
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
-                              reshard_after_forward)
+                              collective_group_name(group, value.device.type), reshard_after_forward)
     return shard
 
 

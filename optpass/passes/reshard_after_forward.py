@@ -14,13 +14,13 @@ backward, become one ``all_gather_into_tensor_coalesced`` of their shards at the
 (one collective per unit, as FSDP2's; every shard keeps its own output, so a parameter is still a
 slice of it, no copy in the graph). Not on gloo: its coalesced all-gather goes through one flat
 buffer of the whole unit and copies out of it, which raised the 8 x 2048^2 MLP's peak by one unit
-(264.7 -> 280.6 MiB at 2 ranks) for no step time gained (``bench/fsdp.py``, docs/fsdp.md). Then,
-again on every backend but gloo (``PREFETCH``), the gathers are prefetched one ahead, in forward
-and in backward: each all-gather (each unit's) starts just before the previous one's first wait,
-so the next travels while this one is used. Not on gloo: there a functional all-gather in flight
-while another collective starts corrupts the process's heap (torch 2.13; docs/design.md §45), so
-each all-gather starts after the previous one's wait and the graph never has two collectives in
-flight with an all-gather among them (``collectives_in_flight_with_an_all_gather`` checks it).
+(264.7 -> 280.6 MiB at 2 ranks) for no step time gained (``bench/fsdp.py``, docs/fsdp.md). Then
+(``PREFETCH``) the gathers are prefetched one ahead, in forward and in backward: each all-gather
+(each unit's) starts just before the previous one's first wait, so the next travels while this one
+is used. On gloo too: there the shards' collectives run on a twin of the user's group with one
+worker thread (``optpass.process_groups``), which runs them one after another; on gloo's usual two
+threads, two collectives in flight with an all-gather among them corrupt the process's heap
+(torch 2.13; docs/design.md §45).
 Effect: a gathered parameter dies after its last forward use and lives again only around its
 backward use, so at most the parameters in flight and in use are whole at any time (docs/design.md
 §39: the one graph holds forward and backward, so this is the recompute decision, taken the same way
@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.fx
 
 from optpass.fsdp.shard import shard_spec
-from optpass.zero1.state import backend_for_device
+from optpass.process_groups import backend_for_device
 from optpass.passes._graph_utils import FIRST_BACKWARD, KEEP_EMITTED_ORDER
 from optpass.step import BACKWARD, FORWARD, REGION_KEY, StepGraph, is_view
 
@@ -60,9 +60,8 @@ INDUCTOR_CONFIG = KEEP_EMITTED_ORDER
 # Whether a unit's gathers become one coalesced all-gather: "auto" (every backend but gloo: above),
 # True or False.
 COALESCE_UNITS: bool | str = "auto"
-# Whether each all-gather starts before the previous one's wait: "auto" (every backend but gloo,
-# where it would put two collectives in flight with an all-gather among them: §45), True or False.
-PREFETCH: bool | str = "auto"
+# Whether each all-gather starts before the previous one's wait.
+PREFETCH: bool = True
 
 
 def settings() -> tuple:
@@ -86,7 +85,7 @@ def run(step: StepGraph, options) -> str | None:
             regathered.append((copy, name))
     on_gloo = _on_gloo(gathers[0][2], gathers[0][0])
     coalesce = not on_gloo if COALESCE_UNITS == "auto" else bool(COALESCE_UNITS)
-    prefetch = not on_gloo if PREFETCH == "auto" else bool(PREFETCH)
+    prefetch = bool(PREFETCH)
     forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce)
     backward_units = _gather_units(step, regathered, coalesce)
     if prefetch:
@@ -97,7 +96,7 @@ def run(step: StepGraph, options) -> str | None:
     per = (f"one per unit: {_names(forward_units.values())}" if coalesce else
            "one per parameter: units are coalesced on every backend but gloo")
     when = ("each started before the previous one's wait" if prefetch else
-            "each started after the previous one's wait (gloo: no collective beside an all-gather in flight)")
+            "each started after the previous one's wait (PREFETCH off)")
     step.notes.append(f"all-gathered in forward just before first use, {len(forward_units)} collective(s) for "
                       f"{len(gathers)} parameters ({per}), {when}: "
                       f"{_names(name for _, name, _ in gathers)}")
@@ -149,30 +148,6 @@ def _first_wait(start: torch.fx.Node, order: dict) -> torch.fx.Node | None:
 
 def _on_gloo(spec, start: torch.fx.Node) -> bool:
     return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) == "gloo"
-
-
-def _is_gather(node: torch.fx.Node) -> bool:
-    return getattr(node.target, "__name__", "").startswith("all_gather")
-
-
-def collectives_in_flight_with_an_all_gather(graph: torch.fx.Graph) -> list[tuple[str, str]]:
-    """Each (collective, collective) pair of the graph, in its order, that is in flight at once
-    (started, not yet waited) with an all-gather among the two: what gloo must never run (§45).
-    A collective is any functional one (``_c10d_functional``) but ``wait_tensor``."""
-    in_flight: dict[torch.fx.Node, set] = {}      # a start -> the nodes whose wait ends it
-    found = []
-    for node in graph.nodes:
-        if node.target is _c10d.wait_tensor.default:
-            for start, outputs in list(in_flight.items()):
-                if node.args[0] in outputs:
-                    del in_flight[start]
-        elif getattr(node.target, "namespace", None) == "_c10d_functional":
-            for other in in_flight:
-                if _is_gather(node) or _is_gather(other):
-                    found.append((other.name, node.name))
-            outputs = {node} | {u for u in node.users if u.target is operator.getitem}
-            in_flight[node] = outputs
-    return found
 
 
 def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coalesce: bool

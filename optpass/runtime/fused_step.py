@@ -60,7 +60,7 @@ import torch.fx
 
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, warn_at_user_line
-from optpass.fsdp.shard import optimizer_group
+from optpass.fsdp.shard import optimizer_shard_spec
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
@@ -242,8 +242,8 @@ class FusedStep:
         """grad_scaler: the process group whose ranks agree on the found-inf flag (None: one rank).
         Under data_parallel='fsdp' a rank checks its gradient shards only, and an inf in another
         rank's shard must skip this rank's update too: the flags are all-reduced in the shards' group."""
-        group = optimizer_group(self.options.optimizer) if self.options.data_parallel == "fsdp" else None
-        return group.group_name if group is not None else None
+        spec = optimizer_shard_spec(self.options.optimizer) if self.options.data_parallel == "fsdp" else None
+        return spec.group_name if spec is not None else None
 
     def _state_layout(self) -> tuple:
         """Which state exists, of which shape and dtype: the harvested update depends on it (and on

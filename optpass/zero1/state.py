@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from optpass.errors import OptpassError
+from optpass.process_groups import backend_for_device
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
 from optpass.zero1.agreement import agree
@@ -47,18 +48,6 @@ from optpass.zero1.layout import Bucket, build_layout, on_masters, trainable_par
 
 
 # ---------------------------------------------------------------- sharded state
-
-def backend_for_device(backends: str, device_type: str) -> str:
-    """The backend of ``dist.get_backend(group)`` ("gloo", or "cpu:gloo,cuda:nccl" for a group with
-    one per device type) that runs collectives on tensors of `device_type`."""
-    if ":" not in backends:
-        return backends
-    per_device = dict(item.split(":", 1) for item in backends.split(","))
-    if device_type not in per_device:
-        raise OptpassError(f"data_parallel='zero1': the process group has no backend for {device_type} "
-                           f"tensors (its backends: {backends}); create it with one for the parameters' device.")
-    return per_device[device_type]
-
 
 @dataclasses.dataclass
 class ProcessGroupInfo:
