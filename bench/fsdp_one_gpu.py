@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from _measure import child_command, emit_result, free_port, print_json, run_child
+from _measure import child_command, emit_result, free_port, print_json, run_child, training_step
 
 WIDTH, DEPTH, BATCH, STEPS = 2048, 8, 64, 10
 
@@ -52,14 +52,7 @@ def _synchronize(device: str) -> None:
 def _train_step(model, opt):
     import torch.nn.functional as F
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
+    return training_step(lambda x, y: F.mse_loss(model(x), y), opt)
 
 
 def equivalence(args) -> None:
@@ -96,6 +89,7 @@ def equivalence(args) -> None:
         results["in_backward" if in_backward else "after_backward"] = {
             "max_param_diff_vs_eager": worst,
             "gathers": [line.strip() for line in explained.splitlines() if "all-gathered" in line]}
+    torch.distributed.destroy_process_group()
     emit_result(results)
 
 
@@ -133,6 +127,7 @@ def memory(args) -> None:
         _synchronize(device)
         times.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
+    torch.distributed.destroy_process_group()
     emit_result({"params": params, "peak_MiB": round(peak / 2**20, 1), "bytes_per_param": round(peak / params, 2),
                  "first_step_s": round(times[0], 2), "step_ms": round(1000 * sorted(times[3:])[len(times[3:]) // 2], 2)})
 
