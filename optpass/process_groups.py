@@ -65,21 +65,26 @@ def gloo_worker_threads(group_name: str) -> int | None:
     group has no gloo backend)."""
     group = _registered(group_name)
     try:
-        backend = group._get_backend(torch.device("cpu")) if group is not None else None
+        backend = _gloo_backend(group) if group is not None else None
     except RuntimeError:
         return None
-    while backend is not None and not isinstance(backend, dist.ProcessGroupGloo) and hasattr(backend, "wrapped_pg"):
+    return backend.options._threads if backend is not None else None
+
+
+def _gloo_backend(group):
+    """`group`'s backend for CPU tensors as the ProcessGroupGloo it is (TORCH_DISTRIBUTED_DEBUG=DETAIL
+    wraps it), or None when it is not gloo."""
+    backend = group._get_backend(torch.device("cpu"))
+    while not isinstance(backend, dist.ProcessGroupGloo) and hasattr(backend, "wrapped_pg"):
         backend = backend.wrapped_pg
-    return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else None
+    return backend if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
 def _one_thread_twin(group) -> tuple[object, str]:
     from torch._C._distributed_c10d import ProcessGroup, _register_process_group
     from torch.distributed.distributed_c10d import _world
 
-    user_backend = group._get_backend(torch.device("cpu"))
-    while not isinstance(user_backend, dist.ProcessGroupGloo) and hasattr(user_backend, "wrapped_pg"):
-        user_backend = user_backend.wrapped_pg            # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+    user_backend = _gloo_backend(group)
     made = _MADE.get(group.group_name, 0)
     _MADE[group.group_name] = made + 1
     name = group.group_name + TWIN_SUFFIX + (f".{made}" if made else "")

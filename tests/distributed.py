@@ -73,10 +73,6 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
     """``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; each rank's return value (or its
     RankError). A rank killed by a signal (an abort in C++, a segfault) fails the call with the
     end of its output: no rerun."""
-    return _run_once(world, fn, args, timeout_s, pg_timeout_s)
-
-
-def _run_once(world: int, fn, args, timeout_s: float, pg_timeout_s: float) -> list:
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()

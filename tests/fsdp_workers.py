@@ -743,8 +743,7 @@ def gloo_collectives_run_on_one_thread(rank, world, workdir):
             x, y = (x.half(), y.half()) if half else (x, y)
             with reshard_settings(**settings):
                 report = _explained_step_report(model, opt, mine(x, rank, world), mine(y, rank, world), **options)
-            starts = [n for n in report.graph_after.nodes
-                      if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target.__name__ != "wait_tensor.default"]
+            starts = [n for n in report.graph_after.nodes if _starts_a_collective(n)]
             groups = {n.args[-1]: gloo_worker_threads(n.args[-1]) for n in starts}
             found[name + "".join(f"+{k}" for k in settings)] = {"groups": groups, "in_flight": _pairs_in_flight(report.graph_after)}
     return found
@@ -755,14 +754,18 @@ def _pairs_in_flight(graph) -> int:
     waits_of = {}       # a start -> the nodes whose wait ends it
     pairs = 0
     for node in graph.nodes:
-        if getattr(node.target, "namespace", None) != "_c10d_functional":
-            continue
-        if node.target.__name__ == "wait_tensor.default":
+        if node.target is torch.ops._c10d_functional.wait_tensor.default:
             waits_of = {start: outs for start, outs in waits_of.items() if node.args[0] not in outs}
-        else:
+        elif _starts_a_collective(node):
             pairs += len(waits_of)
             waits_of[node] = {node} | {u for u in node.users if u.target is operator.getitem}
     return pairs
+
+
+def _starts_a_collective(node) -> bool:
+    """A functional collective (``_c10d_functional``) other than ``wait_tensor``."""
+    return (getattr(node.target, "namespace", None) == "_c10d_functional"
+            and node.target is not torch.ops._c10d_functional.wait_tensor.default)
 
 
 def one_thread_twin_lifecycle(rank, world, workdir):
