@@ -80,7 +80,7 @@ def train(variant: str, rank: int, world: int) -> dict:
             held = _bytes(model.parameters()) + _bytes(_state(opt, variant))
             with optpass.measure_tensor_peak() as call:
                 losses.append(train_step(x[mine], y[mine]).item())
-            peak = max(peak, held + call.peak_bytes)
+            peak = max(peak, held + call.growth_bytes)
     param_bytes = _bytes(model.parameters())
     result = {"peak_bytes": peak, "param_bytes": param_bytes, "state_bytes": _bytes(_state(opt, variant)),
               "losses": losses}

@@ -136,6 +136,12 @@ def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs
     return Explanation(recent_reports())
 
 
+# what each tag of the memory estimate holds (lowering.rewrite tags every buffer)
+_TAG_TEXT = {"gradient": "gradients", "input": "parameters, optimizer state and inputs", "forward": "activations",
+             "backward": "backward temporaries", "gradient_transform": "gradient-transform temporaries",
+             "update": "update temporaries", "other": "other"}
+
+
 def _sizes(*nbytes: int) -> list[str]:
     """Byte counts that are read side by side, in one unit: the one that fits the largest."""
     scale, unit = next(((s, u) for s, u in ((2**30, "GB"), (2**20, "MB"), (2**10, "KB"))
@@ -184,7 +190,15 @@ def _describe(index: int, g: GraphReport) -> list[str]:
             before["peak_bytes"], grads_before, after["peak_bytes"], grads_after)
         lines.append(f"    estimated peak memory: {peak_before} (gradients {grads_before}) "
                      f"before passes -> {peak_after} (gradients {grads_after}) after")
+        by_kind = sorted(after["bytes_by_tag_at_peak"].items(), key=lambda kv: -kv[1])
+        alive = ", ".join(f"{_TAG_TEXT.get(kind, kind)} {size}"
+                          for (kind, _), size in zip(by_kind, _sizes(*(n for _, n in by_kind))) if size != "0 B")
+        lines.append(f"    alive at the estimated peak (after): {alive}")
+        if any(kind == "update" for kind, _ in by_kind):
+            lines.append("        (the aten graph as the eager lowering runs it; Inductor fuses each update into "
+                         "one kernel that writes in place: bench/lm_memory.py measures the compiled step)")
         largest = after["largest_at_peak"][:3]
-        top = ", ".join(f"{name} {size}" for (name, _, _), size in zip(largest, _sizes(*(n for _, n, _ in largest))))
+        top = ", ".join(f"{name} ({_TAG_TEXT.get(kind, kind or 'other')}) {size}"
+                        for (name, _, kind), size in zip(largest, _sizes(*(n for _, n, _ in largest))))
         lines.append(f"    largest live at the peak: {top}")
     return lines

@@ -34,7 +34,7 @@ from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, user_line
 from optpass.report import GraphReport, keeping_graphs, record
-from optpass.step import StepGraph
+from optpass.step import FORWARD, GRADIENT_KEY, REGION_KEY, StepGraph
 
 
 def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: GraphReport,
@@ -48,7 +48,11 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     gradient_names = step.gradient_buffer_names()
 
     def tag(node: torch.fx.Node) -> str | None:
-        return "gradient" if node.name in gradient_names else None
+        """What a buffer is, for the memory estimate's account of the peak: a gradient that becomes
+        ``p.grad`` (or did, before a pass fused its update), else the region that made it."""
+        if node.name in gradient_names or node.meta.get(GRADIENT_KEY):
+            return "gradient"
+        return node.meta.get(REGION_KEY, FORWARD)
 
     if keep:
         report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)

@@ -38,6 +38,8 @@ from optpass.errors import OptpassError, node_user_line
 FORWARD, BACKWARD, GRADIENT_TRANSFORM, UPDATE, INPUT, OUTPUT = (
     "forward", "backward", "gradient_transform", "update", "input", "output")
 REGION_KEY = "optpass_region"
+# meta key of a node a pass made that holds a parameter's whole gradient (e.g. a tied weight's sum)
+GRADIENT_KEY = "optpass_gradient"
 
 
 @dataclasses.dataclass

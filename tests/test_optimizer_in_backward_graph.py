@@ -106,12 +106,21 @@ class TestOptimizerInBackwardGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -24,5 +24,7 @@
- add_0 = aten.add.Tensor(t_4, embedding_dense_backward_0)
+@@ -22,7 +22,14 @@
+ t_4 = aten.t(t_2)
+-embedding_dense_backward_0 = aten.embedding_dense_backward(mm_2, in1, 6, -1, False)
+-add_0 = aten.add.Tensor(t_4, embedding_dense_backward_0)
 -empty_like_0 = aten.empty_like(in0, pin_memory=False)
 -copy_0 = aten.copy(empty_like_0, add_0)
++ge_0 = aten.ge.Scalar(in1, 0)
++lt_0 = aten.lt.Scalar(in1, 6)
++bitwise_and_0 = aten.bitwise_and.Tensor(ge_0, lt_0)
++ne_0 = aten.ne.Scalar(in1, -1)
++bitwise_and_1 = aten.bitwise_and.Tensor(bitwise_and_0, ne_0)
++unsqueeze_0 = aten.unsqueeze(bitwise_and_1, -1)
++_unsafe_masked_index_put_accumulate_0 = aten._unsafe_masked_index_put_accumulate(t_4, unsqueeze_0, [in1], mm_2)
 +neg_0 = aten.neg(in3)
-+fma_0 = prims.fma(add_0, neg_0, in0)
++fma_0 = prims.fma(_unsafe_masked_index_put_accumulate_0, neg_0, in0)
 +copy_0 = aten.copy(in0, fma_0)
 +copy__0 = aten.copy_(in0, copy_0)
  detach_2 = aten.detach(getitem_0)

@@ -420,27 +420,41 @@ def _hint(size: Any) -> int:
 
 @dataclasses.dataclass
 class MeasuredPeak:
-    """Tensor bytes allocated on CPU while a block ran, relative to the bytes live at its start.
+    """Live CPU tensor bytes while a block ran: the absolute peak, and the block's own growth.
 
     Attributes:
-        peak_bytes: the highest point: what decides whether the block fits.
+        peak_bytes: the highest point of live CPU tensor bytes: what was alive at entry plus the
+            block's growth (``live_at_entry_bytes + growth_bytes``). What decides whether the block
+            fits, the CPU twin of ``torch.cuda.max_memory_allocated()`` over the block; bytes per
+            parameter are ``peak_bytes / n_params``.
+        growth_bytes: the block's own peak above what was alive at its entry (what it allocated
+            and had not freed at its highest point).
+        live_at_entry_bytes: CPU tensor storages alive when the block started, counted once each:
+            parameters, optimizer state, buffers, compiled graphs' constants, the user's tensors
+            (every tensor reachable from a Python object; a tensor only C++ holds, such as one
+            saved by autograd for a backward not yet run, is not seen).
         end_bytes: what the block left allocated (negative: it freed more).
         allocations: the number of CPU memory events (allocations and frees) the profiler recorded.
     """
 
-    peak_bytes: int = 0          # the highest point: what decides whether the block fits
-    end_bytes: int = 0           # what the block left allocated (negative: it freed more)
+    peak_bytes: int = 0
+    growth_bytes: int = 0
+    live_at_entry_bytes: int = 0
+    end_bytes: int = 0
     allocations: int = 0
 
 
 class measure_tensor_peak:
-    """``with optpass.measure_tensor_peak() as m: ...``: ``m.peak_bytes`` is the block's peak.
+    """``with optpass.measure_tensor_peak() as m: ...``: ``m.peak_bytes`` is the block's peak of live
+    CPU tensor bytes, ``m.growth_bytes`` the part the block allocated.
 
-    The CPU twin of ``torch.cuda.max_memory_allocated()``: it counts what the CPU
-    allocator hands to tensors (eager ops, Inductor's buffers, optimizer state),
-    from torch.profiler's memory events, so it does not move with glibc's heap
-    or with what a compile allocates as Python objects (RSS does). Profiling
-    slows the block down: for tests and reports, not for timing.
+    The CPU twin of ``torch.cuda.max_memory_allocated()``: ``peak_bytes`` is what was alive at the
+    block's entry (every CPU tensor storage reachable from Python, counted once) plus the block's
+    growth, read from torch.profiler's memory events, which count what the CPU allocator hands to
+    tensors (eager ops, Inductor's buffers, optimizer state), so it does not move with glibc's heap
+    or with what a compile allocates as Python objects (RSS does). Profiling slows the block down,
+    and finding the live tensors at entry walks every Python object (``gc.get_objects``): for tests
+    and reports, not for timing.
 
     Returns:
         ``with ... as m`` binds a ``MeasuredPeak``; its fields are filled in when the block exits.
@@ -448,13 +462,14 @@ class measure_tensor_peak:
     Example:
         with optpass.measure_tensor_peak() as m:
             step(x, y)
-        print(m.peak_bytes)
+        print(m.peak_bytes / n_params, "bytes per parameter at the step's peak;",
+              m.growth_bytes, "allocated by the step at its highest point")
     """
 
     def __enter__(self) -> MeasuredPeak:
         from torch.profiler import ProfilerActivity, profile
 
-        self.result = MeasuredPeak()
+        self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes())
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         return self.result
@@ -466,5 +481,31 @@ class measure_tensor_peak:
         live = 0
         for event in sorted(events, key=lambda e: e.start_ns()):
             live += event.nbytes()
-            self.result.peak_bytes = max(self.result.peak_bytes, live)
+            self.result.growth_bytes = max(self.result.growth_bytes, live)
+        self.result.peak_bytes = self.result.live_at_entry_bytes + self.result.growth_bytes
         self.result.end_bytes, self.result.allocations = live, len(events)
+
+
+def live_cpu_tensor_bytes() -> int:
+    """Bytes of the CPU tensor storages reachable from Python objects now, each storage once."""
+    import gc
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():         # isinstance() on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        # issubclass of the type, not isinstance: a weakref.proxy to a dead tensor passes isinstance
+        tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    for obj in tensors:
+        if isinstance(obj, FakeTensor) or obj.device.type != "cpu":
+            continue
+        try:
+            storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):   # no real storage (a wrapper subclass, sparse)
+            continue
+        if pointer:
+            seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
+    return sum(seen.values())

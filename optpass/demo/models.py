@@ -35,6 +35,7 @@ class LMConfig:
     n_layers: int = 2
     seq_len: int = 16
     mlp_ratio: int = 4
+    tie_head: bool = True      # the output head shares the token embedding's weight (GPT-2's choice)
 
 
 class Attention(nn.Module):
@@ -84,8 +85,11 @@ class TinyLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied output head
+        if cfg.tie_head:
+            self.head.weight = self.embed.weight  # tied output head
         torch.nn.init.normal_(self.embed.weight, std=0.02)  # small, as the tied head's logits
+        if not cfg.tie_head:
+            torch.nn.init.normal_(self.head.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]

@@ -8,6 +8,7 @@ share is in ``_graph_utils.py``). The pipeline, in order:
 |-----------------------|--------------------------|---------------|------------------|
 | loss_scaling          | loss_scaling.py          | when asked    | no (torch.amp.GradScaler's step) |
 | clip_grad_norm_in_backward | clip_grad_norm_in_backward.py | when asked | no (clip_grad_norm_'s formula, exact) |
+| accumulate_gradient_in_place | accumulate_gradient_in_place.py | with optimizer_in_backward | no (rounding only: a tied weight's two contributions summed in another order) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
 | reshard_after_forward | reshard_after_forward.py | when asked    | no (the same shards gathered again) |
@@ -40,7 +41,7 @@ import torch.fx
 
 from optpass.capture import GraphKind
 from optpass.errors import OptpassError, node_user_line
-from optpass.passes import (clip_grad_norm_in_backward, eliminate_dead_code, loss_scaling, master_weights,
+from optpass.passes import (accumulate_gradient_in_place, clip_grad_norm_in_backward, eliminate_dead_code, loss_scaling, master_weights,
                             optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer)
 
 log = logging.getLogger("optpass")
@@ -75,6 +76,9 @@ PASSES: tuple[GraphPass, ...] = (
     # Global-norm clipping for fused updates: a norm-only backward first (opt-in).
     GraphPass("clip_grad_norm_in_backward", clip_grad_norm_in_backward.run, applies_to=(GraphKind.STEP,),
               asked_by="clip_grad_norm"),
+    # A tied weight's gradient (head GEMM + embedding scatter) built in one buffer at the end of backward.
+    GraphPass("accumulate_gradient_in_place", accumulate_gradient_in_place.run, applies_to=(GraphKind.STEP,),
+              asked_by="optimizer_in_backward"),
     # Moves each parameter's torch.optim update to right after its gradient is final (opt-in).
     GraphPass("optimizer_in_backward", optimizer_in_backward.run, applies_to=(GraphKind.STEP,),
               asked_by="optimizer_in_backward"),

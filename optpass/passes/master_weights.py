@@ -57,7 +57,8 @@ import torch
 import torch.fx
 
 from optpass.passes._graph_utils import (MASTER_UPDATE, copy_slice, last_node_update_must_follow,
-                                         placeholders_by_dynamo_index, take_gradient_outputs)
+                                         keep_updates_where_gradients_die, placeholders_by_dynamo_index,
+                                         take_gradient_outputs)
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = MASTER_UPDATE
@@ -79,6 +80,11 @@ class MasterPlan:
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
         return f"{self.harvested.digest()}-masters={sorted(self.master_index)}-in_backward={self.in_backward}"
+
+    @property
+    def inductor_config(self) -> dict:
+        """Inductor keeps each update where its gradient dies (``keep_updates_where_gradients_die``)."""
+        return keep_updates_where_gradients_die(self.in_backward)
 
 
 def run(step, options) -> str | None:

@@ -63,6 +63,7 @@ from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_shard_spec
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
+from optpass.passes._graph_utils import keep_updates_where_gradients_die
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.precision import grad_scaler
 
@@ -123,6 +124,11 @@ class UpdatePlan:
     def digest(self) -> str:
         """What changes the rewritten graph beyond the step's roles (Inductor cache key)."""
         return f"{self.harvested.digest()}-in_backward={self.in_backward}"
+
+    @property
+    def inductor_config(self) -> dict:
+        """Inductor keeps each update where its gradient dies (``keep_updates_where_gradients_die``)."""
+        return keep_updates_where_gradients_die(self.in_backward)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""How much memory ``optimizer_in_backward`` saves on the language models people train.
+
+Models (B=4 sequences of T=32 tokens, AdamW lr 3e-4 as a tensor, weight decay 0.1):
+
+* ``gpt-tied``   -- nanoGPT-style GPT (``optpass.demo.models.TinyLM``): 2 blocks, d=768, 12 heads,
+  vocab 8192, the head tied to the token embedding (GPT-2's choice), 20.5M parameters;
+* ``gpt-untied`` -- the same with an untied head, 26.8M;
+* ``hf-gpt2``    -- Hugging Face ``GPT2LMHeadModel`` from a local config: 2 layers, d=768, the full
+  vocabulary of 50257, tied, 53.2M;
+* ``hf-llama``   -- Hugging Face ``LlamaForCausalLM`` from a local config: 2 layers, d=256, the full
+  vocabulary of 32000, untied, 18.0M.
+
+Precisions: ``fp32`` (fp32 parameters, fp32 AdamW) and ``bf16`` (bf16 parameters, AdamW on fp32
+masters: optpass's ``master_weights``). Variants, each in a FRESH process with its own empty
+Inductor cache:
+
+* ``inductor`` -- fp32: ``torch.compile(step, backend="inductor")`` (optpass imported, so backward is
+  traced into the step graph, as optpass's capture); bf16: ``backend="optpass"`` with
+  ``master_weights`` and the update after backward (the same update, every gradient alive);
+* ``optpass``  -- the same plus ``optimizer_in_backward``, Inductor lowering.
+
+Each child counts live CPU tensor bytes from before the model is built (``CPUTensorBytes``,
+what ``torch.cuda.max_memory_allocated`` is on a GPU): the **whole run's peak** (build, compile,
+first step, warm-up, measured steps) and the **steady-step peak** (the measured steps alone; live
+parameters and optimizer state included), each in bytes per parameter, plus the whole run's RSS
+(VmHWM) and the first (compiling) call's time. The parent prints, per model and precision, the
+saving as a fraction of the gradient bytes, the goal (0.9 x (gradient bytes - the largest
+gradient's bytes): every gradient but the largest dead by the time the peak comes) and the step
+time ratio (median of the measured steps).
+
+    python3 bench/lm_memory.py                         # every model, fp32 and bf16
+    python3 bench/lm_memory.py --models gpt-tied --precisions fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import (CPUTensorBytes, child_command, child_env, emit_result, empty_cache_dir, graph_count,  # noqa: E402
+                      print_json, proc_status_kib, run_child, training_step)
+
+MODELS = ("gpt-tied", "gpt-untied", "hf-gpt2", "hf-llama")
+PRECISIONS = ("fp32", "bf16")
+KINDS = ("inductor", "optpass")
+_MB = 2 ** 20
+
+
+def build_model(name: str):
+    """The model and its loss(tokens, targets) function, built under the current seed."""
+    import torch.nn.functional as F
+
+    if name.startswith("gpt-"):
+        from optpass.demo.models import LMConfig, TinyLM
+
+        model = TinyLM(LMConfig(vocab=8192, d_model=768, n_heads=12, n_layers=2, seq_len=32,
+                                tie_head=name == "gpt-tied"))
+        return model, model.loss
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if name == "hf-gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=768, n_head=12, n_positions=64, vocab_size=50257,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "hf-llama":
+        config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=32000,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise SystemExit(f"unknown model {name!r}; choose from {MODELS}")
+
+    def loss_of(tokens, targets):
+        logits = model(input_ids=tokens).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return model, loss_of
+
+
+def run_variant(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import optpass
+
+    model_name, precision, kind = args.child.split("/")
+    live = CPUTensorBytes()
+    live.load()
+    rss_after_imports_kib = proc_status_kib("VmRSS")
+    live.start()
+    with live.mark("build"):
+        torch.manual_seed(0)
+        model, loss_of = build_model(model_name)
+        if precision == "bf16":
+            model = model.to(torch.bfloat16)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=torch.tensor(3e-4), weight_decay=0.1)
+        g = torch.Generator().manual_seed(1)
+        vocab = model.config.vocab_size if hasattr(model, "config") else model.cfg.vocab
+        data = [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
+    n_params = sum(p.numel() for p in params)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params)
+    largest_gradient_bytes = max(p.numel() * p.element_size() for p in params)
+
+    options = {"optimizer": opt}
+    if precision == "bf16":
+        options["master_weights"] = torch.float32
+    if kind == "optpass":
+        options["optimizer_in_backward"] = True
+    step = training_step(loss_of, opt)
+    compiled = (torch.compile(step, backend="inductor") if kind == "inductor" and precision == "fp32"
+                else torch.compile(step, backend="optpass", options=options))
+
+    warmup_s = []
+    with live.mark("warm-up"):
+        for i in range(args.warmup):
+            tokens = data[i % len(data)]
+            t0 = time.perf_counter()
+            compiled(tokens[:, :-1], tokens[:, 1:])
+            warmup_s.append(time.perf_counter() - t0)
+    graphs = graph_count()
+    times, losses = [], []
+    with live.mark("steps"):
+        for i in range(args.steps):
+            tokens = data[(args.warmup + i) % len(data)]
+            t0 = time.perf_counter()
+            losses.append(float(compiled(tokens[:, :-1], tokens[:, 1:])))
+            times.append(time.perf_counter() - t0)
+    if graph_count() != graphs:
+        raise SystemExit(f"{args.child}: a graph compiled during the measured steps (raise --warmup)")
+    counted = live.stop()
+    emit_result({
+        "variant": args.child, "n_params": n_params, "gradient_bytes": gradient_bytes,
+        "largest_gradient_bytes": largest_gradient_bytes,
+        "whole_run_peak_bytes": counted["peak_bytes"], "peak_in": counted["peak_in"],
+        "steady_peak_bytes": counted["marks"]["steps"]["peak_bytes"],
+        "alive_at_peak_mib": [round(b / _MB, 1) for b in counted["alive_at_peak"][:8]],
+        "vm_hwm_kib": proc_status_kib("VmHWM"), "rss_after_imports_kib": rss_after_imports_kib,
+        "first_call_s": warmup_s[0], "median_step_s": statistics.median(times), "losses": losses,
+        "grads_left": sum(p.grad is not None for p in params),
+    })
+
+
+def _spawn(args, variant: str) -> dict:
+    cmd = child_command(__file__, child=variant, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+                        warmup=args.warmup, threads=args.threads)
+    with empty_cache_dir(variant) as cache_dir:
+        return run_child(cmd, child_env(args.threads, cache_dir), args.child_timeout)
+
+
+def run_parent(args) -> None:
+    rows, full = [], {}
+    print(f"| model | precision | params | B/param Inductor -> optpass (steady) | whole run | saved / gradient bytes "
+          "(steady) | goal | whole-run saved / goal | step time optpass/Inductor | first call (s) | RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in args.models:
+        for precision in args.precisions:
+            base, ours = (_spawn(args, f"{model}/{precision}/{kind}") for kind in KINDS)
+            full[f"{model}/{precision}"] = {"inductor": base, "optpass": ours}
+            n, grads, largest = ours["n_params"], ours["gradient_bytes"], ours["largest_gradient_bytes"]
+            goal = 0.9 * (grads - largest)
+            saved_steady = base["steady_peak_bytes"] - ours["steady_peak_bytes"]
+            saved_whole = base["whole_run_peak_bytes"] - ours["whole_run_peak_bytes"]
+            row = {
+                "model": model, "precision": precision, "n_params": n,
+                "steady_bytes_per_param": [base["steady_peak_bytes"] / n, ours["steady_peak_bytes"] / n],
+                "whole_run_bytes_per_param": [base["whole_run_peak_bytes"] / n, ours["whole_run_peak_bytes"] / n],
+                "saved_steady_of_gradients": saved_steady / grads, "goal_of_gradients": goal / grads,
+                "steady_goal_met": saved_steady >= goal, "whole_run_saved_of_goal": saved_whole / goal,
+                "step_time_ratio": ours["median_step_s"] / base["median_step_s"],
+                "first_call_s": [base["first_call_s"], ours["first_call_s"]],
+                "vm_hwm_mib": [base["vm_hwm_kib"] / 1024, ours["vm_hwm_kib"] / 1024],
+                "alive_at_optpass_peak_mib": ours["alive_at_peak_mib"],
+            }
+            rows.append(row)
+            print(f"| {model} | {precision} | {n / 1e6:.1f}M | {row['steady_bytes_per_param'][0]:.2f} -> "
+                  f"{row['steady_bytes_per_param'][1]:.2f} | {row['whole_run_bytes_per_param'][0]:.2f} -> "
+                  f"{row['whole_run_bytes_per_param'][1]:.2f} | {row['saved_steady_of_gradients']:.2f} | "
+                  f"{row['goal_of_gradients']:.2f} ({'met' if row['steady_goal_met'] else 'MISSED'}) | "
+                  f"{row['whole_run_saved_of_goal']:.2f} | {row['step_time_ratio']:.2f} | "
+                  f"{row['first_call_s'][0]:.0f} / {row['first_call_s'][1]:.0f} | "
+                  f"{row['vm_hwm_mib'][0]:.0f} / {row['vm_hwm_mib'][1]:.0f} |", flush=True)
+    print_json({"rows": rows}, full, args.json)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    parser.add_argument("--precisions", type=lambda s: s.split(","), default=list(PRECISIONS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child-timeout", type=float, default=1200)
+    parser.add_argument("--json", default=None, help="write every child's numbers here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        run_variant(args)
+    else:
+        run_parent(args)
+
+
+if __name__ == "__main__":
+    main()
