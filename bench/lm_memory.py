@@ -156,7 +156,7 @@ def _spawn(args, variant: str) -> dict:
 def run_parent(args) -> None:
     rows, full = [], {}
     print(f"| model | precision | params | B/param Inductor -> optpass (steady) | whole run | saved / gradient bytes "
-          "(steady) | goal | whole-run saved / goal | step time optpass/Inductor | first call (s) | RSS MiB |")
+          "(steady) | goal | whole-run saved / floor | step time optpass/Inductor | first call (s) | RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for precision in args.precisions:
@@ -171,7 +171,9 @@ def run_parent(args) -> None:
                 "steady_bytes_per_param": [base["steady_peak_bytes"] / n, ours["steady_peak_bytes"] / n],
                 "whole_run_bytes_per_param": [base["whole_run_peak_bytes"] / n, ours["whole_run_peak_bytes"] / n],
                 "saved_steady_of_gradients": saved_steady / grads, "goal_of_gradients": goal / grads,
-                "steady_goal_met": saved_steady >= goal, "whole_run_saved_of_goal": saved_whole / goal,
+                "steady_goal_met": saved_steady >= goal,
+                # the floor: every gradient but the largest dead at the peak (the 100M MLP: 1.06)
+                "whole_run_saved_of_floor": saved_whole / (grads - largest),
                 "step_time_ratio": ours["median_step_s"] / base["median_step_s"],
                 "first_call_s": [base["first_call_s"], ours["first_call_s"]],
                 "vm_hwm_mib": [base["vm_hwm_kib"] / 1024, ours["vm_hwm_kib"] / 1024],
@@ -182,7 +184,7 @@ def run_parent(args) -> None:
                   f"{row['steady_bytes_per_param'][1]:.2f} | {row['whole_run_bytes_per_param'][0]:.2f} -> "
                   f"{row['whole_run_bytes_per_param'][1]:.2f} | {row['saved_steady_of_gradients']:.2f} | "
                   f"{row['goal_of_gradients']:.2f} ({'met' if row['steady_goal_met'] else 'MISSED'}) | "
-                  f"{row['whole_run_saved_of_goal']:.2f} | {row['step_time_ratio']:.2f} | "
+                  f"{row['whole_run_saved_of_floor']:.2f} | {row['step_time_ratio']:.2f} | "
                   f"{row['first_call_s'][0]:.0f} / {row['first_call_s'][1]:.0f} | "
                   f"{row['vm_hwm_mib'][0]:.0f} / {row['vm_hwm_mib'][1]:.0f} |", flush=True)
     print_json({"rows": rows}, full, args.json)
@@ -195,7 +197,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child-timeout", type=float, default=1200)
     parser.add_argument("--json", default=None, help="write every child's numbers here")

@@ -29,7 +29,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from optpass import passes
-from optpass.passes import reshard_after_forward
+from optpass.passes import _row_chunks, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, user_line
@@ -80,7 +80,7 @@ def lower(gm, example_inputs, context, *, captured, options):
     # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
     key = repr((options.digest(), captured.roles_digest(),
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items()),
-                reshard_after_forward.settings()))
+                reshard_after_forward.settings(), _row_chunks.ROW_CHUNK_BYTES))
     # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
     patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
     if options.data_parallel == "fsdp" and captured.kind is GraphKind.STEP:

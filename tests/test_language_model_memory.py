@@ -100,3 +100,96 @@ def test_the_live_peak_drops_by_all_but_the_largest_gradient_on_a_tied_language_
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     goal = 0.9 * (sum(sizes) - max(sizes))
     assert peaks["inductor"] - peaks["optpass"] >= goal, (peaks, goal)
+
+
+@pytest.fixture
+def small_row_chunks(monkeypatch):
+    """Chunk every gradient of more than 2 KiB into chunks of about 1 KiB (tiny models get chunked)."""
+    from optpass.passes import _row_chunks
+
+    monkeypatch.setattr(_row_chunks, "ROW_CHUNK_BYTES", 1024)
+
+
+def chunked_parameters() -> list[str]:
+    return [note for r in optpass.recent_reports() for p in r.passes for note in p.notes if "row chunks" in note]
+
+
+@pytest.mark.usefixtures("float64_default", "small_row_chunks")
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_an_untied_head_made_and_applied_in_row_chunks_trains_like_eager(lower):
+    torch._dynamo.reset()
+    cfg = LMConfig(vocab=96, d_model=32, n_heads=2, n_layers=1, seq_len=16, tie_head=False)
+    twin = Twin(lambda: TinyLM(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1))
+    eager = make_step(twin.eager_model, twin.eager_opt, lm_loss)
+    step = fused_step(twin.compiled_model, twin.compiled_opt, lower)
+    data = lm_batch(cfg.vocab)
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():          # the passes run (no cache hit), so their notes are there
+        for i in range(6):
+            expected, got = eager(*data(i)), step(*data(i))
+            assert got.item() == pytest.approx(expected.item(), rel=1e-9)
+    params, state = twin.diffs()
+    assert params <= TOL and state <= TOL
+    assert any(note.startswith("head.weight") for note in chunked_parameters())
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),      # not elementwise: never chunked
+}
+
+
+@pytest.mark.usefixtures("float64_default", "small_row_chunks")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_elementwise_optimizer_applied_in_row_chunks_matches_eager(name):
+    from optpass.demo.models import MLP
+
+    from parity import mlp_data, mlp_loss
+
+    torch._dynamo.reset()
+    twin = Twin(lambda: MLP((16, 32, 32, 4)), lambda m: OPTIMIZERS[name](m.parameters()))
+    eager = make_step(twin.eager_model, twin.eager_opt, mlp_loss)
+    step = torch.compile(make_step(twin.compiled_model, twin.compiled_opt, mlp_loss), backend="optpass",
+                         options={"lower": "eager", "optimizer": twin.compiled_opt, "optimizer_in_backward": True})
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        for i in range(6):
+            assert step(*mlp_data(i)).item() == pytest.approx(eager(*mlp_data(i)).item(), rel=1e-9)
+    params, state = twin.diffs()
+    assert params <= TOL and state <= TOL
+    chunked = chunked_parameters()
+    assert bool(chunked) == (name != "adafactor"), chunked
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_bf16_masters_updated_in_row_chunks_equal_the_whole_update(lower, monkeypatch):
+    """master_weights + optimizer_in_backward: a chunk's bf16 gradient rows are cast to fp32, its
+    master rows updated, and rounded into the parameter's rows; equal to the update made whole."""
+    from optpass.passes import _row_chunks
+
+    cfg = LMConfig(vocab=96, d_model=32, n_heads=2, n_layers=1, seq_len=16, tie_head=False)
+    data = lm_batch(cfg.vocab)
+    results = {}
+    for chunk_bytes in (1 << 40, 1024):
+        monkeypatch.setattr(_row_chunks, "ROW_CHUNK_BYTES", chunk_bytes)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TinyLM(cfg).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3), weight_decay=0.1)
+        step = torch.compile(make_step(model, opt, lm_loss), backend="optpass",
+                             options={"lower": lower, "optimizer": opt, "optimizer_in_backward": True,
+                                      "master_weights": torch.float32})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            losses = [step(*data(i)).item() for i in range(5)]
+        results[chunk_bytes] = (losses, [p.detach().clone() for p in model.parameters()], chunked_parameters())
+    (whole_losses, whole, none), (chunk_losses, chunked, notes) = results[1 << 40], results[1024]
+    assert not none and any(n.startswith("head.weight") for n in notes), notes
+    assert chunk_losses == pytest.approx(whole_losses, rel=1e-6)
+    for a, b in zip(chunked, whole):
+        assert torch.equal(a, b) or (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()

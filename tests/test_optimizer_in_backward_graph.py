@@ -127,6 +127,44 @@ class TestOptimizerInBackwardGraph(TestCase):
 -return (detach_2, copy_0)
 +return (detach_2, None)""")
 
+    def test_a_large_gradient_is_made_and_applied_in_row_chunks(self):
+        from optpass.passes import _row_chunks
+
+        model = nn.Linear(3, 4, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        saved, _row_chunks.ROW_CHUNK_BYTES = _row_chunks.ROW_CHUNK_BYTES, 16   # 48 bytes: 2 chunks of 2 rows
+        try:
+            diff = fused_graph_diff(model, opt, lambda x, y: F.mse_loss(model(x), y),
+                                    torch.randn(5, 3), torch.randn(5, 4))
+        finally:
+            _row_chunks.ROW_CHUNK_BYTES = saved
+        self.assertExpectedInline(diff, """\
+--- before
++++ after
+@@ -10,8 +10,16 @@
+ t_1 = aten.t(mse_loss_backward_0)
+-mm_1 = aten.mm(t_1, in1)
+-t_2 = aten.t(mm_1)
+-t_3 = aten.t(t_2)
+-empty_like_0 = aten.empty_like(in0, pin_memory=False)
+-copy_0 = aten.copy(empty_like_0, t_3)
++neg_0 = aten.neg(in3)
++slice_0 = aten.slice.Tensor(in0, 0, 0, 2)
++slice_1 = aten.slice.Tensor(t_1, 0, 0, 2)
++mm_1 = aten.mm(slice_1, in1)
++fma_0 = prims.fma(mm_1, neg_0, slice_0)
++copy_0 = aten.copy(slice_0, fma_0)
++copy__0 = aten.copy_(slice_0, copy_0)
++slice_2 = aten.slice.Tensor(in0, 0, 2, 4)
++slice_3 = aten.slice.Tensor(t_1, 0, 2, 4)
++mm_2 = aten.mm(slice_3, in1)
++fma_1 = prims.fma(mm_2, neg_0, slice_2)
++copy_1 = aten.copy(slice_2, fma_1)
++copy__1 = aten.copy_(slice_2, copy_1)
+ detach_0 = aten.detach(mse_loss_0)
+-return (detach_0, copy_0)
++return (detach_0, None)""")
+
     def test_clip_grad_norm_runs_a_norm_only_backward_first(self):
         model = nn.Sequential(nn.Linear(3, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -59,6 +59,7 @@ import torch.fx
 from optpass.passes._graph_utils import (MASTER_UPDATE, copy_slice, last_node_update_must_follow,
                                          keep_updates_where_gradients_die, placeholders_by_dynamo_index,
                                          take_gradient_outputs)
+from optpass.passes._row_chunks import copy_slice_in_row_chunks, row_chunks
 from optpass.step import REGION_KEY, UPDATE
 
 CONTEXT_KEY = MASTER_UPDATE
@@ -125,10 +126,16 @@ def _emit_update(step, plan: MasterPlan, name: str, update, param, gradient, inp
     """The update of `param` at the insert point: through its master if it has one."""
     env = {ph: inputs[plan.state_index[(name, key)]] for key, ph in update.states.items()}
     env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
+    chunks = row_chunks(update, gradient) if plan.in_backward else None
+    if chunks:      # a large gradient made by one GEMM: made and applied in row chunks (_row_chunks.py)
+        step.notes.append(f"{name}: gradient made and applied in {len(chunks)} row chunks")
     if name not in plan.master_index:                    # fp32: its own master
         env.update({update.param: param, update.gradient: gradient})
-        return copy_slice(step, update, env)
+        return copy_slice_in_row_chunks(step, update, env, gradient, chunks) if chunks else copy_slice(step, update, env)
     master = inputs[plan.master_index[name]]
+    if chunks:
+        env.update({update.param: master, update.gradient: gradient})
+        return copy_slice_in_row_chunks(step, update, env, gradient, chunks, round_into=param)
     inserted = []
     if gradient.meta["val"].dtype != master.meta["val"].dtype:     # fp32 already after unscaling / clipping
         gradient = step.emit(convert_element_type, gradient, master.meta["val"].dtype)

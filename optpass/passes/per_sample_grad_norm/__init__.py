@@ -126,18 +126,21 @@ def run(step, options) -> str | None:
     # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
     in_sums = set()
     shapes, named = _parameters_by_shape(step), set()
+    per_sample = False     # a per-sample gradient was found (rewritten or not): not every batched GEMM is one
     for summed in _outermost_sums(step, candidates, options.dp_materialize):
         why_not = _rewrite(step, summed)
         in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
         rewritten += why_not is None
+        per_sample |= why_not != ""
         _note(step, summed, why_not, shapes, named)
     for candidate in candidates:
         if candidate.root in in_sums:
             continue
         why_not = _rewrite(step, candidate)
         rewritten += why_not is None
+        per_sample |= why_not != ""
         _note(step, candidate, why_not, shapes, named)
-    if candidates:
+    if per_sample:
         _note_the_others(step, shapes, named)
     if not rewritten:
         return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "

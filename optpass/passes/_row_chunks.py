@@ -1,0 +1,152 @@
+"""What a pass that splices updates shares for a large parameter: its gradient made and applied in
+row chunks, so no more than one chunk of that gradient is ever alive.
+
+A Linear weight's gradient is one GEMM, ``mm(permute(dY), X)`` (``[out, in]`` from ``[tokens, out]``
+and ``[tokens, in]``), and an elementwise update (SGD, Adam(W), ...: docs/design.md §28) of rows
+``a:b`` reads only rows ``a:b`` of the parameter, its gradient and its state. So the update can run
+chunk by chunk: rows ``a:b`` of the gradient are ``mm(permute(dY)[a:b], X)``, the update's
+parameter-shaped values are computed on ``p[a:b]``, ``state[a:b]`` and that chunk, and written back
+with ``copy_(slice(p, 0, a, b), new_rows)``, which Inductor stores into the parameter's rows (a
+functional ``slice_scatter`` would not be made in place: docs/design.md §47). The update's scalars
+(the ``step`` counter and the bias corrections made from it) are computed once, and ``step`` is
+written once, after the last chunk. The largest gradient of an untied language model, its output
+head's ``[vocab, d]``, made at the start of backward while every activation is alive, then costs
+one chunk there instead of the whole (docs/design.md §46).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+# A gradient of more than twice this many bytes is made and applied in chunks of about this many.
+ROW_CHUNK_BYTES = 2 * 2 ** 20
+# At most this many chunks: each one reads the GEMM's other input again, and adds to the graph.
+MAX_CHUNKS = 16
+# Ops an elementwise update applies to parameter-shaped values, beyond those tagged pointwise.
+_ELEMENTWISE = {aten.copy.default, aten.clone.default, aten._to_copy.default, aten.where.self,
+                torch.ops.prims.convert_element_type.default}
+
+
+def row_chunks(update, gradient: torch.fx.Node) -> list[tuple[int, int]] | None:
+    """The row ranges to make and apply `gradient` in, or None when it is made whole: it is small,
+    not one GEMM, or the update is not elementwise over parameter-shaped values."""
+    value = _val(gradient)
+    if value is None or value.dim() != 2 or _gemm_rows(gradient, 0, 1) is None:
+        return None
+    rows, nbytes = value.shape[0], value.numel() * value.element_size()
+    if not isinstance(rows, int) or nbytes <= 2 * ROW_CHUNK_BYTES or not _elementwise(update, tuple(value.shape)):
+        return None
+    count = min(MAX_CHUNKS, -(-nbytes // ROW_CHUNK_BYTES))
+    per_chunk = -(-rows // count)
+    return [(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
+
+
+def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, chunks: list[tuple[int, int]],
+                             round_into: torch.fx.Node | None = None) -> list[torch.fx.Node]:
+    """Insert the update of `update.param` chunk by chunk at the insert point (see the module
+    docstring); `env` maps the slice's placeholders to graph values, `gradient` to the GEMM that
+    makes the whole gradient (left for the caller to drop). With `round_into` (a bf16/fp16
+    parameter whose fp32 master ``env[update.param]`` is), each chunk's gradient rows are cast to
+    the master's dtype and the chunk's new master rows are rounded into the parameter's rows
+    (master_weights). Returns the inserted nodes."""
+    shape = tuple(_val(update.param).shape)
+    per_row = _parameter_shaped(update, shape)
+    inserted = []
+    shared = dict(env)
+    for node in update.nodes:                       # the scalars, once
+        if node not in per_row:
+            inserted.append(_copy(step, node, shared))
+    row_targets = [t for t in update.writes if t is update.param or t in per_row]
+    for start, end in chunks:
+        chunk_env = dict(shared)
+        for placeholder in per_row:
+            if placeholder.op == "placeholder" and placeholder is not update.gradient:
+                chunk_env[placeholder] = _emit(step, inserted, aten.slice.Tensor, env[placeholder], 0, start, end)
+        rows = _gemm_rows(gradient, start, end, step, inserted)
+        master_dtype = _val(env[update.param]).dtype
+        if _val(rows).dtype != master_dtype:
+            rows = _emit(step, inserted, torch.ops.prims.convert_element_type.default, rows, master_dtype)
+        chunk_env[update.gradient] = rows
+        for node in update.nodes:
+            if node in per_row:
+                inserted.append(_copy(step, node, chunk_env))
+        for target in row_targets:
+            inserted.append(step.write_update(chunk_env[target], chunk_env[update.writes[target]]))
+        if round_into is not None:
+            rounded = _emit(step, inserted, torch.ops.prims.convert_element_type.default,
+                            chunk_env[update.writes[update.param]], _val(round_into).dtype)
+            inserted.append(step.write_update(_emit(step, inserted, aten.slice.Tensor, round_into, 0, start, end),
+                                              rounded))
+    for target, value in update.writes.items():     # the step counter: after every chunk read it
+        if target not in row_targets:
+            inserted.append(step.write_update(shared[target], shared[value]))
+    return inserted
+
+
+def _gemm_rows(gradient: torch.fx.Node, start: int, end: int, step=None, inserted=None):
+    """Rows start:end of a gradient made by one GEMM, seen through transposes: ``mm(A, B)`` ->
+    ``mm(A[start:end], B)``; ``t(mm(A, B))`` (the eager lowering's, an odd number of transposes)
+    -> ``t(mm(A, B[:, start:end]))``. Without `step`, only whether the gradient has that form
+    (None if not)."""
+    gemm, transposed = gradient, False
+    while isinstance(gemm, torch.fx.Node) and (gemm.target is aten.t.default or (
+            gemm.target is aten.permute.default and list(gemm.args[1]) == [1, 0])):
+        gemm, transposed = gemm.args[0], not transposed
+    if not isinstance(gemm, torch.fx.Node) or gemm.target is not aten.mm.default:
+        return None
+    if step is None:
+        return gemm
+    a, b = gemm.args
+    if transposed:
+        rows = _emit(step, inserted, aten.mm.default, a, _emit(step, inserted, aten.slice.Tensor, b, 1, start, end))
+        return _emit(step, inserted, aten.t.default, rows)
+    return _emit(step, inserted, aten.mm.default, _emit(step, inserted, aten.slice.Tensor, a, 0, start, end), b)
+
+
+def _parameter_shaped(update, shape: tuple) -> set[torch.fx.Node]:
+    placeholders = [update.param, update.gradient, *update.states.values()]
+    return {n for n in [*placeholders, *update.nodes] if _val(n) is not None and tuple(_val(n).shape) == shape}
+
+
+def _elementwise(update, shape: tuple) -> bool:
+    """Every parameter-shaped value is made elementwise from parameter-shaped values and scalars,
+    no scalar is made from a parameter-shaped value, and every write is parameter-shaped or a scalar."""
+    per_row = _parameter_shaped(update, shape)
+    if update.param not in per_row or update.gradient not in per_row:
+        return False
+    for node in update.nodes:
+        inputs = node.all_input_nodes
+        if node in per_row:
+            pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _ELEMENTWISE
+            if not pointwise or any(i not in per_row and not _is_scalar(i) for i in inputs):
+                return False
+        elif not _is_scalar(node) or any(i in per_row for i in inputs):
+            return False
+    return all(t in per_row or _is_scalar(t) for t in update.writes)
+
+
+def _is_scalar(node: torch.fx.Node) -> bool:
+    value = _val(node)
+    return value is None or value.numel() == 1
+
+
+def _val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _copy(step, node: torch.fx.Node, env: dict) -> torch.fx.Node:
+    copy = step.graph.node_copy(node, lambda n: env[n])
+    copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
+    step.set_fake_value(copy)
+    env[node] = copy
+    return copy
+
+
+def _emit(step, inserted: list, target, *args) -> torch.fx.Node:
+    node = step.emit(target, *args)
+    inserted.append(node)
+    return node
