@@ -2,7 +2,7 @@
 
 Each pass lives in its own file and states its precondition, rewrite, effect
 and what it refuses in the module docstring; no pass imports another (what they
-share is in ``_graph_utils.py``). The pipeline, in order:
+share is in ``_graph_utils.py`` and ``_row_chunks.py``). The pipeline, in order:
 
 | pass                  | file                     | on by default | changes numerics |
 |-----------------------|--------------------------|---------------|------------------|

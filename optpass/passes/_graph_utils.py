@@ -92,18 +92,22 @@ def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient:
     return max(must_follow, key=position.__getitem__)
 
 
+def copy_node(step, node: torch.fx.Node, env: dict) -> torch.fx.Node:
+    """Copy one node of a harvested slice to the insert point, its inputs looked up in `env` (which
+    then maps `node` to the copy), with its fake value and source line."""
+    copy = step.graph.node_copy(node, lambda n: env[n])
+    copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
+    step.set_fake_value(copy)
+    env[node] = copy
+    return copy
+
+
 def copy_slice(step, update, env, write_param: bool = True) -> list[torch.fx.Node]:
     """Copy the slice into the graph at the insert point; `env` maps its placeholders to values.
 
     Writes its new values into the state (and, if `write_param`, the parameter) with
     in-place copy_; `env` afterwards maps every slice node to its copy."""
-    inserted = []
-    for node in update.nodes:
-        copy = step.graph.node_copy(node, lambda n: env[n])
-        copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
-        step.set_fake_value(copy)
-        env[node] = copy
-        inserted.append(copy)
+    inserted = [copy_node(step, node, env) for node in update.nodes]
     for target, value in update.writes.items():
         if target is update.param and not write_param:
             continue

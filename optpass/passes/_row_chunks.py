@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from optpass.passes._graph_utils import copy_node
+
 aten = torch.ops.aten
 
 # A gradient of more than twice this many bytes is made and applied in chunks of about this many.
@@ -58,7 +60,7 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
     shared = dict(env)
     for node in update.nodes:                       # the scalars, once
         if node not in per_row:
-            inserted.append(_copy(step, node, shared))
+            inserted.append(copy_node(step, node, shared))
     row_targets = [t for t in update.writes if t is update.param or t in per_row]
     for start, end in chunks:
         chunk_env = dict(shared)
@@ -72,7 +74,7 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
         chunk_env[update.gradient] = rows
         for node in update.nodes:
             if node in per_row:
-                inserted.append(_copy(step, node, chunk_env))
+                inserted.append(copy_node(step, node, chunk_env))
         for target in row_targets:
             inserted.append(step.write_update(chunk_env[target], chunk_env[update.writes[target]]))
         if round_into is not None:
@@ -136,14 +138,6 @@ def _is_scalar(node: torch.fx.Node) -> bool:
 def _val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _copy(step, node: torch.fx.Node, env: dict) -> torch.fx.Node:
-    copy = step.graph.node_copy(node, lambda n: env[n])
-    copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
-    step.set_fake_value(copy)
-    env[node] = copy
-    return copy
 
 
 def _emit(step, inserted: list, target, *args) -> torch.fx.Node:
