@@ -236,7 +236,7 @@ class _Buffers:
         if isinstance(example, torch.Tensor):
             # Inputs exist before the graph starts: the caller holds them.
             allocated_at = 0 if is_input else index
-            nbytes = _tensor_bytes(example)
+            nbytes = tensor_bytes(example)
             self.all.append(_Buffer(name, nbytes, self._tag_of(node), allocated_at, allocated_at, is_input))
             return _Value([len(self.all) - 1])
         if isinstance(example, (list, tuple)):
@@ -384,7 +384,8 @@ def _alias_of(argument: Any, example: Any, values) -> _Value:
 # --- sizes -------------------------------------------------------------------
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s storage (a symbolic size read by its hint, without adding a guard)."""
     try:
         return _hint(tensor.untyped_storage().nbytes())
     except Exception:

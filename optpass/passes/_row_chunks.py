@@ -115,7 +115,11 @@ def _parameter_shaped(update, shape: tuple) -> set[torch.fx.Node]:
 
 def _elementwise(update, shape: tuple) -> bool:
     """Every parameter-shaped value is made elementwise from parameter-shaped values and scalars,
-    no scalar is made from a parameter-shaped value, and every write is parameter-shaped or a scalar."""
+    no scalar is made from a parameter-shaped value, and every write is parameter-shaped or a scalar.
+
+    Stricter than ``optim.elementwise`` (ZeRO-1's test, which harvests a new update for the shard's
+    shape): each node here is copied onto a chunk as it is, so an op that names the parameter's
+    shape (a ``full``, a ``view``) cannot be among them."""
     per_row = _parameter_shaped(update, shape)
     if update.param not in per_row or update.gradient not in per_row:
         return False

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from optpass.analysis.memory import tensor_bytes
 from optpass.passes._graph_utils import gradient_value
 from optpass.step import GRADIENT_KEY, is_view
 
@@ -145,9 +146,4 @@ def _written_in_place(node: torch.fx.Node) -> bool:
 
 def _bytes(node: torch.fx.Node) -> int:
     value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return 0
-    nbytes = value.untyped_storage().nbytes()
-    if isinstance(nbytes, torch.SymInt):          # a dynamic size: its hint, without adding a guard
-        return int(nbytes.node.hint) if nbytes.node.hint is not None else 0
-    return int(nbytes)
+    return tensor_bytes(value) if isinstance(value, torch.Tensor) else 0
