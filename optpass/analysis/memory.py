@@ -454,8 +454,9 @@ class measure_tensor_peak:
     growth, read from torch.profiler's memory events, which count what the CPU allocator hands to
     tensors (eager ops, Inductor's buffers, optimizer state), so it does not move with glibc's heap
     or with what a compile allocates as Python objects (RSS does). Profiling slows the block down,
-    and finding the live tensors at entry walks every Python object (``gc.get_objects``): for tests
-    and reports, not for timing.
+    and finding the live tensors at entry collects garbage first (tensors only a reference cycle
+    holds, such as a compile leaves behind, are freed, not counted) and walks every Python object
+    (``gc.get_objects``): for tests and reports, not for timing.
 
     Returns:
         ``with ... as m`` binds a ``MeasuredPeak``; its fields are filled in when the block exits.
@@ -470,6 +471,9 @@ class measure_tensor_peak:
     def __enter__(self) -> MeasuredPeak:
         from torch.profiler import ProfilerActivity, profile
 
+        import gc
+
+        gc.collect()        # garbage in reference cycles (a compile leaves some) is not alive
         self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes())
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
