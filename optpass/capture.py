@@ -182,6 +182,9 @@ class CapturedGraph:
     # backward() instead (Tensor.item(), print, ...): Dynamo's reason; None when there was none
     # or it was torch.optim's own break (the step shape)
     later_break: str | None = None
+    # the break's source line could not be read (a script on stdin, some REPLs): optpass cannot
+    # tell the step shape from a break in code the step calls
+    split_source_unread: bool = False
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -266,6 +269,7 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         split_line=user_line_from_frames(split.user_stack) if split else None,
         split_caller=_calling_step_line(split) if split else None,
         later_break=_later_break(split, breaks) if split else None,
+        split_source_unread=bool(split and _source_unread(split)),
     )
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
@@ -346,7 +350,7 @@ def _calling_step_line(split) -> SourceLine | None:
 
     Dynamo compiles the broken function as a frame of its own, so the break's stack holds that
     function only; the caller is the innermost user frame on the stack that is compiling it."""
-    if not split.user_stack or "backward(" in (split.user_stack[-1].line or ""):
+    if not split.user_stack or "backward(" in (split.user_stack[-1].line or "") or _source_unread(split):
         return None
     if any(f"torch{os.sep}optim{os.sep}" in f.filename for f in split.user_stack):
         return None
@@ -354,6 +358,11 @@ def _calling_step_line(split) -> SourceLine | None:
     callers = [f for f in traceback.extract_stack()[:-1]
                if (f.filename, f.lineno) != (inner.filename, inner.lineno)]
     return user_line_from_frames(callers)
+
+
+def _source_unread(split) -> bool:
+    """The break's own source line is unreadable (``<stdin>``, some REPLs): which call broke is unknown."""
+    return bool(split.user_stack) and not (split.user_stack[-1].line or "").strip()
 
 
 def _is_grad_source(name: str | None) -> bool:
@@ -548,6 +557,17 @@ def backward_outside_message(captured: CapturedGraph) -> str:
             "of the compiled step: return the value as a tensor (`out = loss.detach()`) and call `.item()` "
             "or print it after the step returns, e.g. "
             f"`{SUPPORTED_SHAPE}` and `print(step(x, y).item())`.")
+    if captured.split_source_unread:
+        return (
+            f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
+            "backward() and what follows it (gradient clipping, the optimizer) then run outside the "
+            "captured graph, so optpass cannot see or rewrite them. The step's source could not be read "
+            "(a script on stdin or a REPL that keeps no source), so optpass cannot tell which of two "
+            "causes it is: (1) the step shape: `loss` read after opt.step() (e.g. `return loss.detach()` "
+            f"at the end); fix: take the value to return before the optimizer: `{SUPPORTED_SHAPE}`; "
+            "(2) a break inside code the step calls (the model's forward, a library); fix: make that code "
+            "compile (`torch._dynamo.explain(step)(*batch)` lists every break and its reason). Run the "
+            "step from a file to get the exact cause.")
     if "GradScaler." in reason:
         return (
             f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "

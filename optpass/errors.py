@@ -56,7 +56,8 @@ class SourceLine:
     code: str
 
     def __str__(self) -> str:
-        return f'{self.file}:{self.line} in {self.function}: {self.code.strip()}'
+        code = self.code.strip()
+        return f'{self.file}:{self.line} in {self.function}' + (f': {code}' if code else '')
 
 
 def _is_user_file(path: str) -> bool:
