@@ -85,7 +85,60 @@ def lower(gm, example_inputs, context, *, captured, options):
     patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
     if options.data_parallel == "fsdp" and captured.kind is GraphKind.STEP:
         patches.update(reshard_after_forward.INDUCTOR_CONFIG)
-    return lower_inductor(gm, example_inputs, rewrite_fn, key, patches)
+    compiled = lower_inductor(gm, example_inputs, rewrite_fn, key, patches)
+    pipeline_record = _PipelineRecord(gm, example_inputs, key)
+    if report.aten_ops_before is None:       # Inductor's cache served the graph: the passes did not run here
+        pipeline_record.load_into(report)
+    else:
+        pipeline_record.save(report)
+    return compiled
+
+
+class _PipelineRecord:
+    """What the pipeline did to a graph, kept beside Inductor's cache, so that a compile the cache
+    serves (the pipeline does not run) still reports the passes that its code carries.
+
+    Keyed by what decides the rewrite: optpass's source, the options and roles (``key``), the
+    Dynamo graph's code and its inputs' shapes, strides and dtypes. A graph compiled before
+    records existed (or whose record was removed) reports ``from_cache`` with no passes."""
+
+    def __init__(self, gm, example_inputs, key: str):
+        import hashlib
+
+        inputs = [(tuple(map(str, x.shape)), tuple(map(str, x.stride())), str(x.dtype), x.device.type)
+                  if isinstance(x, torch.Tensor) else repr(type(x)) for x in example_inputs]
+        digest = hashlib.sha256(repr((_source_hash().hex(), key, gm.code, inputs)).encode()).hexdigest()
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        self.path = os.path.join(cache_dir(), "optpass_pipeline", digest[:40] + ".json")
+
+    def save(self, report: GraphReport) -> None:
+        import dataclasses
+        import json
+
+        data = {"passes": [dataclasses.asdict(p) for p in report.passes], "regions": report.regions,
+                "aten_ops_before": report.aten_ops_before, "aten_ops_after": report.aten_ops_after}
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            temporary = f"{self.path}.{os.getpid()}.tmp"
+            with open(temporary, "w") as f:
+                json.dump(data, f)
+            os.replace(temporary, self.path)
+        except OSError:
+            pass                          # a read-only cache: the next cache hit reports no passes
+
+    def load_into(self, report: GraphReport) -> None:
+        import json
+
+        report.from_cache = True
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return
+        report.passes = [passes.PassOutcome(**p) for p in data["passes"]]
+        report.regions = data["regions"]
+        report.aten_ops_before, report.aten_ops_after = data["aten_ops_before"], data["aten_ops_after"]
 
 
 def lower_for_explain(gm, example_inputs, context, *, captured, options, report):

@@ -46,6 +46,9 @@ class GraphReport:
         largest_gradient_bytes: bytes of the largest of those gradients (idem).
         error: a failure message; None when none was recorded.
         legality: explain's verdict on each rewrite the options ask for (legal, or refused and why).
+        from_cache: Inductor's cache served the compiled graph, so the passes did not run in this
+            process; ``passes``, ``regions`` and the op counts are those recorded when the graph
+            was compiled (empty if no record was kept).
     """
 
     captured: CapturedGraph
@@ -62,6 +65,7 @@ class GraphReport:
     largest_gradient_bytes: int | None = None
     error: str | None = None
     legality: str | None = None                # explain: the verdict on a requested rewrite
+    from_cache: bool = False
 
     @property
     def kind(self) -> GraphKind:
@@ -101,6 +105,7 @@ class GraphReport:
             "largest_gradient_bytes": self.largest_gradient_bytes,
             "error": self.error,
             "legality": self.legality,
+            "from_cache": self.from_cache,
         }
 
 
@@ -129,7 +134,9 @@ def recent_reports() -> list[GraphReport]:
 
     Every backend call appends one report to a process-wide log of the last 64. Outside
     ``keep_graphs()`` a report holds names, counts and estimates only (no graphs, no tensors),
-    so normal compiles keep no model memory alive.
+    so normal compiles keep no model memory alive. A graph that Inductor's cache served (the
+    passes did not run in this process) reports the passes recorded when it was compiled, with
+    ``from_cache`` set.
 
     Returns:
         A new list of ``GraphReport``, oldest first.

@@ -262,6 +262,33 @@ for attempt in range(2):
     assert second[0] >= 2 and second[1] == 0     # warm: every graph came from the cache
 
 
+def test_a_graph_served_by_inductors_cache_still_reports_its_passes(tmp_path):
+    """recent_reports() (and the notebooks' pass-status cells) list the passes a cached graph's code
+    carries, in a second process as in the same one, marked from_cache."""
+    program = SUPPORTED_STEP + """
+import json, optpass
+from torch._dynamo.utils import counters
+for attempt in range(2):
+    torch._dynamo.reset()
+    optpass.report.clear_reports()
+    step = torch.compile(train_step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
+    step(x, y)
+    reports = [r for r in optpass.recent_reports() if r.kind.value == "step"]
+    print(json.dumps([[r.from_cache, [(p.name, p.status) for p in r.passes], r.aten_ops_after] for r in reports]))
+print(counters["inductor"]["fxgraph_cache_hit"])
+"""
+    runs = [run_python(program, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}).strip().splitlines()
+            for _ in range(2)]
+    import json
+    (cold, *warm), hits = [json.loads(line) for line in runs[0][:2]], [runs[0][2], runs[1][2]]
+    warm += [json.loads(line) for line in runs[1][:2]]
+    assert len(cold) == 1 and cold[0][0] is False
+    assert ["optimizer_in_backward", "applied"] in cold[0][1]
+    assert int(hits[0]) >= 1 and int(hits[1]) >= 1, hits
+    for report in warm:                          # the same process again, then a new process
+        assert report == [[True, cold[0][1], cold[0][2]]], (report, cold)
+
+
 def test_a_user_who_sets_inductors_subprocess_compile_mode_still_gets_the_rewrite(tmp_path):
     """TORCHINDUCTOR_FX_COMPILE_MODE=SUBPROCESS compiles a graph in a child process with the portable
     config, which leaves optpass's post-grad pass out: without the guard this fp32 step compiled
