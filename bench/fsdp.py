@@ -14,7 +14,9 @@ other):
 * ``optpass-fsdp-after``     -- the same with the update after backward;
 * ``optpass-zero1``          -- the whole model on every rank, ``data_parallel="zero1"``, in backward;
 * ``optpass-fsdp-bf16``      -- optpass fsdp in backward with bf16 parameters and
-  ``master_weights=torch.float32`` (fp32 master shards).
+  ``master_weights=torch.float32`` (fp32 master shards);
+* ``optpass-fsdp-eager``     -- ``optpass-fsdp`` with ``lower="eager"`` (the rewritten aten graph run
+  op by op, no Inductor).
 
 Models (``--model``): ``mlp`` (``--depth`` units of ``Linear(w, w)`` + ReLU; default 8 x 2048^2,
 33.6M parameters) or ``llama`` (a random-init Hugging Face ``LlamaForCausalLM``, ``--depth``
@@ -60,7 +62,7 @@ import time
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo,
                       proc_status_kib, run_ranks, training_step, waited_per_step)
 
-VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16")
+VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16", "optpass-fsdp-eager")
 
 
 def build(args):
@@ -192,6 +194,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
                        "optimizer_in_backward": variant != "optpass-fsdp-after"}
             if variant == "optpass-fsdp-bf16":
                 options["master_weights"] = torch.float32
+            if variant == "optpass-fsdp-eager":
+                options["lower"] = "eager"
             step = torch.compile(training_step(loss_fn(args, model), opt), backend="optpass", options=options)
         dtype = next(model.parameters()).dtype
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t)
