@@ -9,8 +9,9 @@ and state placeholders. optpass then slices that graph per parameter.
 While harvesting, each param group is switched to the single-tensor
 implementation (``foreach=False``, ``fused=False``: per-parameter ops that can
 be sliced) and a float ``lr`` becomes a 0-d tensor so that the update reads lr
-as an input (a scheduler can change it without a recompile). Everything is
-restored afterwards; parameters are not touched by the no-op run.
+as an input (a scheduler can change it without a recompile); its products round
+as the float's do (``optim/float_lr.py``). Everything is restored afterwards;
+parameters are not touched by the no-op run.
 
 **The first update is harvested too.** torch.optim creates its state lazily,
 at the first ``step()``, in two ways, and the harvest keeps both torch.optim's own:
@@ -45,6 +46,7 @@ import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.errors import OptpassError
+from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
 
 
@@ -338,8 +340,9 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
             entry.outputs.clear()
             aten = _to_aten(entry.gm, entry.example_inputs)
             graphs.append(aten)
+            float_groups = {g for g, lr in enumerate(float_lrs) if lr is not None}
             sliced, new = _slice_per_parameter(aten, entry.placeholder_roles, attr_roles, output_roles,
-                                               group_of, names)
+                                               group_of, names, float_groups)
             updates.update(sliced)
             created.update(new)
     missing = [name for name in names if name not in updates]
@@ -364,8 +367,9 @@ def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
     return captured[0]
 
 
-def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, group_of, names):
-    """Per parameter: the nodes that compute its new value and state, and what they write.
+def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, group_of, names, float_groups):
+    """Per parameter: the nodes that compute its new value and state, and what they write; a
+    product with a float lr made a tensor rounds as the float's (``optim/float_lr.py``).
 
     Returns the slices and the state the update creates ((name, key) -> CreatedState)."""
     param_ph, grad_ph, state_ph, lr_ph = {}, {}, {}, {}
@@ -390,6 +394,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
         else:
             raise OptpassError(f"optimizer_in_backward: the update graph reads {value!r}, an input "
                                "optpass does not know how to provide inside backward.")
+    keep_float_lr_rounding(graph, {node for group, node in lr_ph.items() if group in float_groups})
     # New values of mutated inputs: in-graph copy_ (state), or outputs that AOTAutograd
     # copies back (parameters: they require grad, so their mutation is an output).
     writes: dict[torch.fx.Node, torch.fx.Node] = {}
