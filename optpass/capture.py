@@ -386,6 +386,37 @@ def module_buffers(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return found
 
 
+def models_read(gm: torch.fx.GraphModule) -> dict[str, torch.nn.Module]:
+    """The outermost modules behind the graph's parameters and buffers, by the step's expression for
+    them (``model``, ``self.model``), read from the frame Dynamo is compiling: so that a caller can
+    reach what the graph does not read (a buffer read only in evaluation). Empty outside a Dynamo
+    compile; a source Dynamo spells with its own helpers stops at the last module reached before it."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:           # no frame is being compiled
+        return {}
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for node in gm.graph.nodes:
+        source = getattr(node.meta.get("grapharg"), "source", None) if node.op == "placeholder" else None
+        chain = []
+        while source is not None:
+            chain.append(source)
+            source = getattr(source, "base", None)
+        cache: dict = {}
+        for part in reversed(chain):        # from the frame's variable outward to the tensor
+            scope = {"G": tx.f_globals, "L": tx.f_locals}
+            try:
+                value = part.get_value(scope, dict(scope), cache)
+            except Exception:  # noqa: BLE001  (a helper of Dynamo's guards: no module reached this way)
+                break
+            if isinstance(value, torch.nn.Module):
+                found.setdefault(id(value), (readable_source(part.name), value))
+                break
+    return {name: module for name, module in found.values()}
+
+
 def _parameters_of(placeholders: list[torch.fx.Node]) -> list[Parameter]:
     """The graph's parameters, each named by a path unique among them (see ``unique_names``)."""
     found = [(index, node, _example(node)) for index, node in enumerate(placeholders)

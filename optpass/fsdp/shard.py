@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from optpass.errors import OptpassError
 from optpass.fsdp.gather import gather
 from optpass.process_groups import collective_group_name
-from optpass.zero1.agreement import agree
+from optpass.zero1.agreement import agree, announce_refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +144,17 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         ``module``, its parameters now shards.
 
     Raises:
-        OptpassError: torch.distributed is not initialized; the module was sharded already; the
-            ranks hold different models (names, shapes or dtypes differ; every rank raises it).
+        OptpassError: torch.distributed is not initialized; the module holds tensors on the meta
+            device (build it on the CPU, or ``to_empty`` and initialize it first); the module was
+            sharded already; the ranks hold different models (names, shapes or dtypes differ;
+            every rank raises it).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise OptpassError("optpass.fully_shard needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) on every rank first.")
     group = process_group if process_group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _refuse_meta_tensors(module)
     already = [name for name, p in module.named_parameters() if p in _SPECS]
     if already:
         raise OptpassError(f"optpass.fully_shard: {module.__class__.__name__} holds sharded parameters "
@@ -185,6 +188,25 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         object.__setattr__(sub, GATHER_ARGS, gathering)
         sub.__class__ = _sharded_class(type(sub), tuple(sorted(local)))
     return module
+
+
+def _refuse_meta_tensors(module: torch.nn.Module) -> None:
+    """A model built under ``torch.device("meta")`` holds no values: nothing to broadcast from rank 0
+    or to shard. Refused before the ranks' agreement (announced: a rank waiting in it fails with this)."""
+    on_meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if not on_meta:
+        return
+    message = (
+        f"optpass.fully_shard: {module.__class__.__name__} holds {len(on_meta)} parameter(s) and buffer(s) on "
+        f"the meta device ({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}): they have no values "
+        "to shard or to take from rank 0. fully_shard shards a model that holds its values: build it on the "
+        "CPU, or materialize it first, on every rank: model.to_empty(device='cpu'), then initialize every "
+        "parameter and buffer (reset_parameters() of each module that has one, and what the constructor "
+        "computes, such as a rotary table), then optpass.fully_shard(model), which takes rank 0's values. "
+        "Each rank holds the whole model until fully_shard: a model that stays on the meta device until it "
+        "is sharded is not supported.")
+    announce_refusal(message)
+    raise OptpassError(message)
 
 
 def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_forward) -> torch.nn.Parameter:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from optpass.capture import CapturedGraph, module_buffers
+from optpass.capture import CapturedGraph, models_read, module_buffers
 from optpass.errors import OptpassError
 from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
 from optpass.runtime.fused_step import FusedStep
@@ -24,10 +24,27 @@ def shard_the_optimizer(gm: torch.fx.GraphModule, captured: CapturedGraph, optio
     trainable = trainable_params(options.optimizer)
     order = gradient_order(gm.graph, {i: placeholder_of[id(p)] for i, (_, p) in enumerate(trainable)
                                       if id(p) in placeholder_of}, len(trainable))
-    frozen = {p.name: p.tensor for p in captured.params if not p.tensor.requires_grad}
     return sharded_optimizer(options.optimizer, options.process_group, options.partition,
                              options.bucket_bytes, names_by_id, options.master_weights, order,
-                             step=options.across_ranks(), replicated={**frozen, **module_buffers(gm)})
+                             step=options.across_ranks(), replicated=replicated_tensors(gm, captured, trainable))
+
+
+def replicated_tensors(gm: torch.fx.GraphModule, captured: CapturedGraph, trainable) -> dict[str, torch.Tensor]:
+    """What DDP broadcasts from rank 0 when it wraps the model, besides the parameters zero1 trains:
+    the frozen parameters and the buffers this graph reads, and every other parameter and buffer
+    registered in the models it reads (a buffer read only in evaluation, a frozen layer the step
+    skips), by name, each tensor once."""
+    trained = {id(p) for _, p in trainable}
+    found = {p.name: p.tensor for p in captured.params if not p.tensor.requires_grad}
+    found.update(module_buffers(gm))
+    for root, model in models_read(gm).items():
+        found.update({f"{root}.{n}": p for n, p in model.named_parameters() if id(p) not in trained
+                      and f"{root}.{n}" not in found})
+        found.update({f"{root}.{n}": b for n, b in model.named_buffers() if f"{root}.{n}" not in found})
+    once: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in found.items():
+        once.setdefault(id(tensor), (name, tensor))
+    return dict(once.values())
 
 
 class ShardedStep(FusedStep):

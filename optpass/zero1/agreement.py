@@ -7,7 +7,13 @@ in them until the process group's timeout, or drift apart silently. So at the fi
 to the process group's store, without blocking, and reads every other rank's:
 
 * every rank then sees the same signatures and raises the same ``OptpassError``, naming the first
-  difference and the ranks, before any collective of the step;
+  difference and the ranks, before any collective of the step. A rank that found a difference
+  says so in the store once it has read every signature, and raises only when every rank has
+  said so (``_wait_until_every_rank_has_read``): the store lives in rank 0's process, and a rank 0
+  that raised and exited at once would leave a rank still reading with a broken connection
+  (``DistNetworkError``) instead of the error;
+* a rank that loses the store inside an agreement all the same (its host exited for another
+  reason) raises ``RanksDisagree`` saying so, not the store's network error;
 * a rank that compiles its training step *without* ``data_parallel`` says so in the store
   (``announce_undistributed``): when the others have waited for it ``UNDISTRIBUTED_GRACE_S``
   while it stayed there, they fail with that reason instead of at the timeout (the grace keeps
@@ -35,6 +41,7 @@ from optpass.errors import OptpassError
 _PREFIX = "optpass/agreement"
 _POLL_S = 0.02
 UNDISTRIBUTED_GRACE_S = 60.0
+REFUSAL_GRACE_S = 10.0
 # Agreements started in this process, a refusal at compile time counting as one: every rank of a
 # group counts the same steps, so the count names this agreement's keys and tells a stale refusal
 # or announcement (made for an earlier step) from one made for this step.
@@ -80,7 +87,31 @@ def announce_refusal(message: str) -> None:
     global _started
     if several_ranks():
         _store().set(f"{_PREFIX}/refused/{dist.get_rank()}", pickle.dumps((_started, message)))
+        if dist.get_rank() == 0:
+            _wait_until_the_refusal_is_read(_store(), _started)
         _started += 1
+
+
+def _wait_until_the_refusal_is_read(store, started: int) -> None:
+    """On rank 0, whose process hosts the store (init_process_group's env:// and tcp:// rendezvous):
+    give every other rank up to ``REFUSAL_GRACE_S`` to read this refusal (or to refuse the same step
+    itself), so that a program that exits on the refusal leaves them its message, not a broken
+    connection. A rank that does not come within the grace gets the store's loss, said plainly."""
+    others = [r for r in range(dist.get_world_size()) if r != 0]
+    deadline = time.monotonic() + REFUSAL_GRACE_S
+    while others and time.monotonic() < deadline:
+        others = [r for r in others if not store.check([f"{_PREFIX}/refusal-read/{started}/{r}"])
+                  and not _refused(store, r, started)]
+        time.sleep(_POLL_S)
+
+
+def _refused(store, rank: int, started: int) -> str | None:
+    """Global rank `rank`'s message if it refused the step counted `started`, else None."""
+    key = f"{_PREFIX}/refused/{rank}"
+    if not store.check([key]):
+        return None
+    their_started, message = pickle.loads(store.get(key))
+    return message if their_started == started else None
 
 
 def agree(group, kind: str, signature: list[tuple[str, Any]], payload: Any = None) -> list[Any]:
@@ -94,12 +125,39 @@ def agree(group, kind: str, signature: list[tuple[str, Any]], payload: Any = Non
     global _started
     started, _started = _started, _started + 1
     prefix = f"{_PREFIX}/{name}/{started}"
-    store.set(f"{prefix}/{me}", pickle.dumps((signature, payload)))
     keys = [f"{prefix}/{r}" for r in range(len(ranks))]
-    _wait(store, keys, ranks, me, kind, _timeout_s(store), started)
-    posted = [pickle.loads(store.get(key)) for key in keys]
-    _compare(kind, [s for s, _ in posted])
+    try:
+        store.set(f"{prefix}/{me}", pickle.dumps((signature, payload)))
+        _wait(store, keys, ranks, me, kind, _timeout_s(store), started)
+        posted = [pickle.loads(store.get(key)) for key in keys]
+    except dist.DistError as error:
+        raise RanksDisagree(_store_lost(kind, me, error)) from error
+    difference = _difference(kind, [s for s, _ in posted])
+    if difference is not None:
+        _wait_until_every_rank_has_read(store, prefix, len(ranks), me, _timeout_s(store))
+        raise RanksDisagree(difference)
     return [p for _, p in posted]
+
+
+def _wait_until_every_rank_has_read(store, prefix: str, world: int, me: int, timeout_s: float) -> None:
+    """Every rank of the group read every signature (each says so once it has): only then may one
+    raise, and its program exit. After this rank has said so it needs the store no more, so a store
+    lost meanwhile (its host read the last word and exited) ends the wait."""
+    try:
+        store.set(f"{prefix}/read/{me}", b"1")
+        keys = [f"{prefix}/read/{r}" for r in range(world)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    except dist.DistError:
+        pass
+
+
+def _store_lost(kind: str, me: int, error: Exception) -> str:
+    return (f"data_parallel={kind!r}: this rank ({me}) lost the process group's store while the ranks "
+            "compared what they run (the store lives in rank 0's process: rank 0 exited, or failed before "
+            "it joined this step; its own error is the cause). Every rank must build the same model and "
+            f"compile the same step with the same options. The store's error: {str(error).splitlines()[0]}")
 
 
 def _wait(store, keys, ranks, me, kind, timeout_s, started) -> None:
@@ -111,12 +169,11 @@ def _wait(store, keys, ranks, me, kind, timeout_s, started) -> None:
             return
         now = time.monotonic()
         for r in missing:
-            refused = f"{_PREFIX}/refused/{ranks[r]}"
-            if store.check([refused]):
-                their_started, message = pickle.loads(store.get(refused))
-                if their_started == started:
-                    raise RanksDisagree(f"data_parallel={kind!r}: rank {r} refused the step, so it will not "
-                                       f"join this rank ({me}) in it. Rank {r}'s error: {message}")
+            message = _refused(store, ranks[r], started)
+            if message is not None:
+                store.set(f"{_PREFIX}/refusal-read/{started}/{dist.get_rank()}", b"1")
+                raise RanksDisagree(f"data_parallel={kind!r}: rank {r} refused the step, so it will not "
+                                    f"join this rank ({me}) in it. Rank {r}'s error: {message}")
             reason = f"{_PREFIX}/undistributed/{ranks[r]}"
             if not store.check([reason]):
                 continue
@@ -139,21 +196,21 @@ def _wait(store, keys, ranks, me, kind, timeout_s, started) -> None:
         time.sleep(_POLL_S)
 
 
-def _compare(kind: str, signatures: list[list[tuple[str, Any]]]) -> None:
+def _difference(kind: str, signatures: list[list[tuple[str, Any]]]) -> str | None:
+    """The message naming the first difference between rank 0's signature and another's, or None."""
     reference = signatures[0]
     for rank, theirs in enumerate(signatures[1:], start=1):
         for (what, ref_value), (_, value) in zip(reference, theirs):
             if ref_value != value:
-                raise RanksDisagree(
-                    f"data_parallel={kind!r}: the ranks do not train the same model: {what} is "
-                    f"{ref_value!r} on rank 0 but {value!r} on rank {rank}. Every rank must build the "
-                    "same model and optimizer (same parameters, shapes, dtypes, groups and settings) "
-                    "and compile the step with the same options.")
+                return (f"data_parallel={kind!r}: the ranks do not train the same model: {what} is "
+                        f"{ref_value!r} on rank 0 but {value!r} on rank {rank}. Every rank must build the "
+                        "same model and optimizer (same parameters, shapes, dtypes, groups and settings) "
+                        "and compile the step with the same options.")
         if len(theirs) != len(reference):
-            raise RanksDisagree(
-                f"data_parallel={kind!r}: the ranks do not train the same model: rank 0 has "
-                f"{len(reference)} signature entries, rank {rank} has {len(theirs)} (a different "
-                "number of parameters, buffers or param groups).")
+            return (f"data_parallel={kind!r}: the ranks do not train the same model: rank 0 has "
+                    f"{len(reference)} signature entries, rank {rank} has {len(theirs)} (a different "
+                    "number of parameters, buffers or param groups).")
+    return None
 
 
 def explain_failed_collective(group, waited_s: float = 1.0) -> str:

@@ -271,8 +271,9 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
 
 
 class Replicas:
-    """What every rank holds the same besides the trained parameters: the frozen parameters and
-    the module buffers the step reads, as DDP keeps them. DDP broadcasts rank 0's parameters and
+    """What every rank holds the same besides the trained parameters: the other parameters and
+    the buffers of the models the step reads (``runtime.sharded_step.replicated_tensors``), as DDP
+    keeps them. DDP broadcasts rank 0's parameters and
     buffers when it wraps the model, and rank 0's buffers again before every forward
     (``broadcast_buffers=True``): a BatchNorm's running statistics, which each rank updates on
     its own batch, are rank 0's at the start of every step, so rank 0's equal one process's.
