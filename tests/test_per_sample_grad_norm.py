@@ -603,3 +603,166 @@ def test_explain_names_each_layer_rewritten_kept_or_left_as_traced_and_calls_the
     assert "0.weight (Linear weight [16, 8]): rewritten" in text
     assert "2.weight (Linear weight [4, 16]): per-sample gradient [B=6, 4, 16]: kept materialized" in text
     assert "left as traced (2): 0.bias, 2.bias" in text
+
+
+# ---------------------------------------------------------------- frozen layers, against Opacus
+
+def make_trainable_dp_step(model, opt, batch_size, noise):
+    """docs/dp_sgd.md's recipe: only the parameters that require grad are differentiated, clipped and
+    given a .grad; the sum is divided by the (expected) batch size, as Opacus's DPOptimizer does."""
+    def loss_of_params(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    def clipped_noisy_gradients(x, y):
+        trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        params = {k: p.detach() for k, p in trainable.items()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+        for name, p in trainable.items():
+            p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
+                      + noise * MAX_GRAD_NORM * torch.randn_like(p)) / batch_size
+        return norms, coef
+
+    def dp_step(x, y):
+        out = clipped_noisy_gradients(x, y)
+        opt.step()
+        opt.zero_grad()
+        return out
+    return dp_step
+
+
+def frozen_first_layer_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                          nn.Linear(HIDDEN, CLASSES))
+    model[0].requires_grad_(False)                     # a frozen layer, as in fine-tuning
+    return model
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_the_recipe_on_a_model_with_a_frozen_layer_equals_opacus(lower):
+    """Per-sample norms, clip factors and parameters equal Opacus's GradSampleModule + DPOptimizer over
+    several steps (same noise: both draw it from torch's generator, parameter by parameter); the
+    frozen layer keeps its values and gets no .grad."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model = frozen_first_layer_model()
+    opacus_model = copy.deepcopy(model)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    compiled = torch.compile(make_trainable_dp_step(model, opt, B, NOISE), backend="optpass",
+                             options={"lower": lower})
+    gsm = GradSampleModule(opacus_model, loss_reduction="mean")
+    dp_opt = DPOptimizer(torch.optim.SGD([p for p in opacus_model.parameters() if p.requires_grad], lr=0.5),
+                         noise_multiplier=NOISE, max_grad_norm=MAX_GRAD_NORM, expected_batch_size=B)
+    with torch._inductor.config.patch(fallback_random=True):
+        for step in range(4):
+            x, y = batch(step, 0)
+            torch.manual_seed(100 + step)
+            norms, coef = compiled(x, y)
+            F.cross_entropy(gsm(x), y).backward()
+            samples = [p.grad_sample for p in opacus_model.parameters() if p.requires_grad]
+            opacus_norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in samples], dim=1).norm(2, dim=1)
+            opacus_coef = (MAX_GRAD_NORM / (opacus_norms + 1e-6)).clamp(max=1.0)
+            torch.manual_seed(100 + step)
+            dp_opt.step()
+            dp_opt.zero_grad()
+            torch.testing.assert_close(norms, opacus_norms, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(coef, opacus_coef, rtol=1e-5, atol=1e-6)
+            for p, q in zip(model.parameters(), opacus_model.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model[0].parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), frozen))
+
+
+def test_explain_names_a_differentiated_parameter_that_does_not_require_grad():
+    """Differentiating every named_parameters() of a model with a frozen layer: explain names the
+    frozen weight and bias and says Opacus leaves them out; the recipe (trainable only): no such note,
+    and the frozen parameters are not listed as per-sample gradients."""
+    def every_parameter_step(model, opt):
+        def loss_of_params(params, x, y):
+            return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+        def clipped(x, y):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+            norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+            coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+            for name, p in model.named_parameters():
+                p.grad = torch.einsum("b,b...->...", coef, per_sample[name]) / B
+            return norms
+
+        def dp_step(x, y):
+            norms = clipped(x, y)
+            opt.step()
+            opt.zero_grad()
+            return norms
+        return dp_step
+
+    model = frozen_first_layer_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    text = str(optpass.explain(every_parameter_step(model, opt), *batch(0, 0)))
+    assert "0.weight (Linear weight [16, 8], requires_grad=False): rewritten" in text
+    assert ("per-sample gradients of parameters that do not require grad (requires_grad=False): 0.weight, "
+            "0.bias: they enter every per-sample norm and clip factor, and p.grad is set for them; Opacus "
+            "leaves them out") in text
+    text = str(optpass.explain(make_trainable_dp_step(model, opt, B, NOISE), *batch(0, 0)))
+    notes = [line for line in text.splitlines() if line.strip().startswith("note: ")]
+    assert notes and not any("requires_grad=False" in line or "0.weight" in line or "0.bias" in line for line in notes)
+    assert "left as traced (2): 2.bias, 4.bias" in text
+
+
+@pytest.mark.parametrize("tied, lower", [(True, "inductor"), (False, "eager")], ids=["tied-inductor", "untied-eager"])
+def test_explain_gives_one_line_per_weight_and_calls_an_embedding_an_embedding(tied, lower):
+    """Two transformer blocks (eight [16, 16] attention weights): each weight on a line of its own,
+    named from the dataflow, not one line per shape repeated; the embedding is an Embedding, tied to
+    the output head or not."""
+    from optpass.demo.models import LMConfig, TinyLM
+
+    cfg = LMConfig(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+    torch.manual_seed(0)
+    model = TinyLM(cfg)
+    if not tied:
+        model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_of_params(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)).reshape(-1, cfg.vocab), y.reshape(-1))
+
+    def clipped(x, y):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            p.grad = torch.einsum("b,b...->...", coef, per_sample[name]) / 3
+        return norms
+
+    def dp_step(x, y):
+        norms = clipped(x, y)
+        opt.step()
+        opt.zero_grad()
+        return norms
+
+    tokens = torch.randint(0, cfg.vocab, (3, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    text = str(optpass.explain(dp_step, tokens[:, :-1], tokens[:, 1:],
+                               options={"lower": lower, "dp_materialize": "never"}))
+    notes = [line.strip().removeprefix("note: ") for line in text.splitlines() if line.strip().startswith("note: ")]
+    rewritten = "rewritten (norms without the"
+    weights = [f"layers.{i}.{w}.weight" for i in range(2)
+               for w in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.0", "mlp.2")]
+    for weight in weights:
+        shape = {"mlp.0": "[64, 16]", "mlp.2": "[16, 64]"}.get(weight.split(".", 2)[2][:-len(".weight")], "[16, 16]")
+        assert sum(note.startswith(f"{weight} (Linear weight {shape}): {rewritten}") for note in notes) == 1, weight
+    assert not any("one of" in note for note in notes)
+    if tied:
+        assert sum(note.startswith(f"embed.weight (Embedding weight [32, 16], tied to a Linear (an output head)): "
+                                   f"{rewritten}") for note in notes) == 1
+        assert len(notes) == len(weights) + 2           # + the embedding, + one line for those left as traced
+    else:
+        assert sum(note.startswith(f"embed.weight (Embedding weight [32, 16]): {rewritten}") for note in notes) == 1
+        assert sum(note.startswith(f"head.weight (Linear weight [32, 16]): {rewritten}") for note in notes) == 1
+        assert len(notes) == len(weights) + 3
+    assert notes[-1].startswith("left as traced (15): pos, layers.0.norm1.weight")

@@ -104,6 +104,7 @@ from optpass.passes.per_sample_grad_norm.candidate import _Candidate, _contiguou
 from optpass.passes.per_sample_grad_norm.labels import _classify, _labelled_uses, _sum_feeds_dp_uses
 from optpass.passes.per_sample_grad_norm.linear import (_is_outer_product_over_tokens, _linear_candidate, _outermost_sums)
 from optpass.passes.per_sample_grad_norm.embedding import _embedding_candidate
+from optpass.passes.per_sample_grad_norm.weights import differentiated_parameters, parameter_of
 
 aten = torch.ops.aten
 
@@ -125,23 +126,24 @@ def run(step, options) -> str | None:
     # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
     # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
     in_sums = set()
-    shapes, named = _parameters_by_shape(step), set()
+    names = _Names(step)
     per_sample = False     # a per-sample gradient was found (rewritten or not): not every batched GEMM is one
     for summed in _outermost_sums(step, candidates, options.dp_materialize):
         why_not = _rewrite(step, summed)
         in_sums.update(summed.parts)               # rewritten or kept, the sum's note speaks for its parts
         rewritten += why_not is None
         per_sample |= why_not != ""
-        _note(step, summed, why_not, shapes, named)
+        names.note(summed, why_not)
     for candidate in candidates:
         if candidate.root in in_sums:
             continue
         why_not = _rewrite(step, candidate)
         rewritten += why_not is None
         per_sample |= why_not != ""
-        _note(step, candidate, why_not, shapes, named)
+        names.note(candidate, why_not)
     if per_sample:
-        _note_the_others(step, shapes, named)
+        names.note_the_others()
+    step.notes.extend(names.lines())
     if not rewritten:
         return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
                                          "Embedding scatter) used for norms")
@@ -149,41 +151,72 @@ def run(step, options) -> str | None:
     return None
 
 
-def _parameters_by_shape(step) -> dict[tuple[int, ...], list[str]]:
-    found: dict[tuple[int, ...], list[str]] = {}
-    for p in step.captured.params:
-        if p.tensor is not None:
-            found.setdefault(tuple(p.tensor.shape), []).append(p.name)
-    return found
+class _Names:
+    """What explain says of the per-sample gradients: one line per weight, named by dataflow
+    (``weights.parameter_of``); where the dataflow does not say, by shape, with the same lines of
+    same-shape weights counted once. A differentiated parameter that does not require grad is named:
+    it enters every clip factor and gets a ``.grad``, which Opacus (it clips the trainable parameters)
+    does not do."""
 
+    def __init__(self, step):
+        self.step = step
+        self.by_shape: dict[tuple[int, ...], list[str]] = {}
+        for p in step.captured.params:
+            if p.tensor is not None:
+                self.by_shape.setdefault(tuple(p.tensor.shape), []).append(p.name)
+        self.frozen = {p.name for p in step.captured.params if p.tensor is not None and not p.tensor.requires_grad}
+        self.differentiated = differentiated_parameters(step)
+        self.named: set[str] = set()
+        self.counts: dict[str, int] = {}          # line -> how many per-sample gradients it stands for
 
-def _note(step, candidate: _Candidate, why_not: str | None, shapes, named: set[str]) -> None:
-    """What explain says of a per-sample gradient: its layer (the parameter of its shape, [rows,
-    columns], or [columns, rows] for a weight stored transposed such as Hugging Face's Conv1D)
-    and whether it was rewritten, or why not."""
-    rows, columns = candidate.size_of["r"], candidate.size_of["c"]
-    names = []
-    if isinstance(rows, int) and isinstance(columns, int):
-        names = shapes.get((rows, columns)) or shapes.get((columns, rows)) or []
-    named.update(names)
-    kind = "Embedding" if "Embedding" in candidate.what else "Linear"
-    layer = (f"{names[0]} ({kind} weight [{rows}, {columns}])" if len(names) == 1
-             else f"{kind} weight [{rows}, {columns}]" + (f" (one of {', '.join(names)})" if names else ""))
-    if why_not is None:
-        step.notes.append(f"{layer}: rewritten (norms without the [B, {rows}, {columns}] per-sample gradient, "
-                          "one clipped sum)")
-    elif why_not:
-        step.notes.append(f"{layer}: {why_not}")
+    def note(self, candidate: _Candidate, why_not: str | None) -> None:
+        """One per-sample gradient's line: its weight and whether it was rewritten, or why not."""
+        if why_not == "":
+            return                                                # no DP pattern
+        rows, columns = candidate.size_of["r"], candidate.size_of["c"]
+        kinds = {kind for kind, _, _ in candidate.uses}
+        kind = "Embedding weight" if "Embedding" in kinds else "Linear weight"
+        tied = ", tied to a Linear (an output head)" if kinds == {"Embedding", "Linear"} else ""
+        name = parameter_of(self.step, candidate.uses)
+        if name is not None:
+            self.named.add(name)
+            frozen = ", requires_grad=False" if name in self.frozen else ""
+            layer = f"{name} ({kind} [{rows}, {columns}]{tied}{frozen})"
+        else:
+            same = []
+            if isinstance(rows, int) and isinstance(columns, int):
+                same = self.by_shape.get((rows, columns)) or self.by_shape.get((columns, rows)) or []
+            self.named.update(same)
+            layer = f"{kind} [{rows}, {columns}]{tied}" + (f" (one of {', '.join(same)})" if same else "")
+        outcome = (f"rewritten (norms without the [B, {rows}, {columns}] per-sample gradient, one clipped sum)"
+                   if why_not is None else why_not)
+        line = f"{layer}: {outcome}"
+        self.counts[line] = self.counts.get(line, 0) + 1
 
+    def note_the_others(self) -> None:
+        """The differentiated parameters no candidate stands for: their per-sample gradients are B x the
+        parameter (a bias, a norm's weight, a position table's slice), made from tensors backward holds
+        anyway."""
+        known = self.differentiated if self.differentiated is not None else \
+            [name for names in self.by_shape.values() for name in names]
+        others = [name for name in known if name not in self.named]
+        if others:
+            self.counts[f"left as traced ({len(others)}): {', '.join(others[:12])}"
+                        f"{' ...' if len(others) > 12 else ''}: no per-sample outer product or "
+                        "scatter; a per-sample gradient of B x the parameter cannot be smaller"] = 1
 
-def _note_the_others(step, shapes, named: set[str]) -> None:
-    """The parameters no candidate stands for: their per-sample gradients are B x the parameter
-    (a bias, a norm's weight, a position table's slice), made from tensors backward holds anyway."""
-    others = [name for names in shapes.values() for name in names if name not in named]
-    if others:
-        step.notes.append(f"left as traced ({len(others)}): {', '.join(others[:12])}"
-                          f"{' ...' if len(others) > 12 else ''}: no per-sample outer product or "
-                          "scatter; a per-sample gradient of B x the parameter cannot be smaller")
+    def lines(self) -> list[str]:
+        """The notes, a line that stands for k same-shape per-sample gradients saying so once."""
+        lines = [line if count == 1 else f"{count} per-sample gradients: {line}" for line, count in self.counts.items()]
+        frozen = [name for name in self.differentiated or () if name in self.frozen]
+        if frozen:
+            lines.append(
+                f"per-sample gradients of parameters that do not require grad (requires_grad=False): "
+                f"{', '.join(frozen)}: they enter every per-sample norm and clip factor, and p.grad is set "
+                "for them; Opacus leaves them out (it clips the trainable parameters only). Differentiate "
+                "the trainable ones: {k: v.detach() for k, v in model.named_parameters() if v.requires_grad} "
+                "(docs/dp_sgd.md)")
+        return lines
 
 
 def _rewrite(step, candidate: _Candidate) -> str | None:

@@ -36,6 +36,8 @@ class _Candidate:
     tokens: object = None            # T, the tokens per sample summed over (an int, or symbolic)
     keep: str | None = None          # a DP pattern the policy keeps materialized (dp_materialize='auto')
     outer: Callable | None = None    # state -> (X [B, T, C], G [B, T, R]) with P = sum_t G_tᵀ X_t, emitted
+    # per use of the weight, what ties it to the forward: ("Linear", X, Gᵀ) or ("Embedding", ids, None)
+    uses: tuple = ()
 
 
 def _shape(node) -> list[int] | None:

@@ -123,7 +123,7 @@ def _embedding_candidate(step, node: torch.fx.Node) -> _Candidate | None:
     return _Candidate(what=f"Embedding per-sample gradient [B={batch}, vocab={vocab}, d={dim}]", root=node,
                       labels=[("b", "r"), ("c",)], size_of={"b": batch, "r": vocab, "c": dim},
                       norm=norm, clipped_sum=clipped_sum, through=through, refuse=refuse, outer=outer,
-                      tokens=tokens)
+                      tokens=tokens, uses=(("Embedding", local, None),))
 
 
 def _through_padding(user, value, labels, padding_idx, vocab):

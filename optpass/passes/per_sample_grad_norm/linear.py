@@ -89,7 +89,7 @@ def _summed_candidate(step, add, labels, size_of, parts, materialize: str) -> _C
                       norm=lambda state: _outer_norm(emit, *outer(state)),
                       clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
                       keep=keep, parts=tuple(candidate.root for candidate, _ in parts),
-                      outer=outer, tokens=tokens)
+                      outer=outer, tokens=tokens, uses=tuple(use for candidate, _ in parts for use in candidate.uses))
 
 
 def _linear_candidate(step, bmm: torch.fx.Node, materialize: str = "auto") -> _Candidate:
@@ -106,7 +106,7 @@ def _linear_candidate(step, bmm: torch.fx.Node, materialize: str = "auto") -> _C
                       size_of={"b": batch, "r": out_features, "c": in_features},
                       norm=lambda state: _outer_norm(emit, *outer(state)),
                       clipped_sum=lambda coef, state: _outer_clipped_sum(emit, *outer(state), coef),
-                      keep=keep, outer=outer, tokens=_shape(x)[1])
+                      keep=keep, outer=outer, tokens=_shape(x)[1], uses=(("Linear", x, g_t),))
 
 
 def _outer_norm(emit, x, g):

@@ -1,0 +1,108 @@
+"""per_sample_grad_norm's names: which parameter a per-sample gradient belongs to, and which parameters
+torch.func.grad differentiates, both read off the dataflow (docs/design.md §21: not from shapes).
+
+* A Linear use ``P = Gᵀ X``: the layer's output gradient G meets its weight W in the input's
+  gradient ``G W`` (every layer but one whose input needs no gradient, such as the first); its input
+  X meets W in the forward ``X Wᵀ``. X alone can be shared (attention's q, k and v read one input),
+  so G decides where it can.
+* An Embedding use: the ids index the forward ``embedding(W, ids)``.
+* Differentiated: the parameters that reach ``torch.func.grad``'s ``_autograd_grad`` in the Dynamo
+  graph (through ``detach`` and functorch's wrapping), so that a parameter that does not require grad
+  but is differentiated (and clipped, and given a ``.grad``) can be named.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from optpass.passes.per_sample_grad_norm.labels import _REGROUPING
+
+aten = torch.ops.aten
+
+_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.matmul.default}
+# what a weight or an activation passes through on its way to a matmul, besides views
+_LAYOUT = _REGROUPING | {aten.permute.default, aten.t.default, aten.transpose.int, aten.expand.default,
+                         aten.clone.default, aten.alias.default, aten.detach.default}
+
+
+def parameter_of(step, uses: tuple[tuple[str, torch.fx.Node, torch.fx.Node | None], ...]) -> str | None:
+    """The one parameter every use of a per-sample gradient reads, or None where the dataflow does not
+    say (then explain falls back to the parameters of its shape).
+
+    Args:
+        step: the ``StepGraph`` being rewritten.
+        uses: per use, ("Linear", X, G) or ("Embedding", ids, None).
+
+    Returns:
+        The parameter's name, or None.
+    """
+    by_node = {node: name for name, node in step.param_nodes.items()}
+    found = set()
+    for kind, first, second in uses:
+        if kind == "Embedding":
+            names = {by_node.get(_base(user.args[0])) for view in _views(first) for user in view.users
+                     if user.target is aten.embedding.default and user.args[1] is view}
+        else:
+            names = _weights_beside(second, by_node) or _weights_beside(first, by_node)
+        names.discard(None)
+        if len(names) != 1:
+            return None
+        found |= names
+    return found.pop() if len(found) == 1 else None
+
+
+def _weights_beside(activation: torch.fx.Node | None, by_node) -> set[str]:
+    """The parameters a matmul multiplies some view of ``activation`` with."""
+    if activation is None:
+        return set()
+    views = _views(activation)
+    return {by_node[_base(other)] for view in views for user in view.users if user.target in _MATMULS
+            for other in user.args[:3] if isinstance(other, torch.fx.Node) and other not in views
+            and _base(other) in by_node}
+
+
+def _base(node):
+    while isinstance(node, torch.fx.Node) and node.target in _LAYOUT:
+        node = node.args[0]
+    return node
+
+
+def _views(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """node's base and everything that only changes its layout, downwards from it."""
+    seen, stack = set(), [_base(node)]
+    while stack:
+        current = stack.pop()
+        seen.add(current)
+        stack.extend(u for u in current.users if u.target in _LAYOUT and u.args[0] is current and u not in seen)
+    return seen
+
+
+def differentiated_parameters(step) -> list[str] | None:
+    """The parameters that ``torch.func.grad`` differentiates in this step (Dynamo's
+    ``_autograd_grad`` inputs, traced back through functorch's wrapping and ``detach``), in
+    parameter order; None where the Dynamo graph is not at hand or has no such call."""
+    gm = step.captured.gm
+    if gm is None:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_node = {placeholders[p.input_index]: p.name for p in step.captured.params if p.input_index is not None}
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__name__", "") == "_autograd_grad" and len(n.args) >= 2]
+    if not calls:
+        return None
+    found = set()
+    for call in calls:
+        for node in call.args[1] if isinstance(call.args[1], (list, tuple)) else ():
+            while isinstance(node, torch.fx.Node) and node not in by_node and node.args \
+                    and _unwraps(node):
+                node = node.args[0]
+            if node in by_node:
+                found.add(by_node[node])
+    return [p.name for p in step.captured.params if p.name in found]
+
+
+def _unwraps(node: torch.fx.Node) -> bool:
+    """functorch's grad wrapping of a tensor, or a detach/alias of it: the same parameter's value."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else node.target
+    return name in ("_wrap_for_grad", "detach", "alias", "_set_tensor_requires_grad", "requires_grad_")
