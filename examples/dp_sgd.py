@@ -58,9 +58,11 @@ print("torch", torch.__version__, "| optpass", optpass.__version__)
 # %% [markdown]
 # ## 1. The DP-SGD step
 #
-# The step as you would write it with `torch.func`. Two details make it one graph
-# that optpass can rewrite:
+# The step as you would write it with `torch.func`. Three details make it DP-SGD as Opacus
+# computes it, in one graph that optpass can rewrite:
 #
+# * only the trainable parameters are differentiated (`requires_grad`), as Opacus clips them: a
+#   frozen layer's per-sample gradient would change every clip factor and give it a `.grad`;
 # * the per-sample work happens in a helper that returns what the step returns
 #   (`norms`) **before** `opt.step()`;
 # * `per_sample` is not used after `opt.step()`: a value alive across the
@@ -95,11 +97,12 @@ def make_dp_step(model, opt, batch_size, per_sample_loss=one_sample_loss):
         return per_sample_loss(functional_call(model, params, (x.unsqueeze(0),)), y)
 
     def clipped_noisy_gradients(x, y):
-        params = {k: v.detach() for k, v in model.named_parameters()}
+        trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}   # frozen layers stay out
+        params = {k: p.detach() for k, p in trainable.items()}
         per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
-        norms = torch.stack([g.reshape(batch_size, -1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
         coef = (C / (norms + 1e-6)).clamp(max=1.0)
-        for name, p in model.named_parameters():
+        for name, p in trainable.items():
             p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
                       + NOISE * C * torch.randn_like(p)) / batch_size
         return norms
@@ -309,11 +312,12 @@ def make_poisson_step(model, opt):
         return one_sample_loss(functional_call(model, params, (x.unsqueeze(0),)), y)
 
     def clipped_noisy_gradients(x, y, mask):
-        params = {k: v.detach() for k, v in model.named_parameters()}
+        trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        params = {k: p.detach() for k, p in trainable.items()}
         per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
         norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
         coef = torch.where(mask, (C / (norms + 1e-6)).clamp(max=1.0), 0)   # padding: 0, after clipping
-        for name, p in model.named_parameters():
+        for name, p in trainable.items():
             p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
                       + NOISE * C * torch.randn_like(p)) / (Q * N)           # the expected batch size
         return norms
