@@ -25,7 +25,8 @@ _LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.
          "load_full_state_dict": "optpass.fsdp.checkpoint",
          "optimizer_state_dict": "optpass.zero1.checkpoint",
          "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
-         "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler"}
+         "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler",
+         "grad_norm": "optpass.runtime.grad_norm"}
 
 
 def __getattr__(name):
@@ -42,5 +43,5 @@ __all__ = [
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
-    "master_weights", "skipped_steps", "fully_shard", "full_state_dict", "load_full_state_dict",
+    "master_weights", "skipped_steps", "grad_norm", "fully_shard", "full_state_dict", "load_full_state_dict",
 ]

@@ -17,7 +17,9 @@ with that parameter alone.
 Refuses, with the user's source line, why, and what to do instead:
 * any gradient that depends on another parameter's gradient: global
   ``clip_grad_norm_``, GradScaler's unscale/found_inf, any custom global-norm
-  transform (they fail the test by construction, not by name);
+  transform (they fail the test by construction, not by name); a
+  ``clip_grad_norm_`` call is told the fix, the ``clip_grad_norm`` option with the
+  call's max_norm (read off its traced ops);
 * pipeline- or expert-parallel collectives in the graph (send/recv,
   all_to_all), or ``pipeline_parallel_degree`` / ``expert_parallel_degree`` > 1
   in the options;
@@ -38,6 +40,7 @@ option instead); a micro-step without ``opt.step()`` scales its backward.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 import os
@@ -67,7 +70,7 @@ def check_optimizer_in_backward(captured: CapturedGraph, options) -> None:
         return
     _refuse_unseen_gradient_transforms(captured, "optimizer_in_backward", options.optimizer)
     _refuse_parallel_collectives(captured.gm.graph)
-    _refuse_coupled_gradients(captured)
+    _refuse_coupled_gradients(captured, options.clip_grad_norm)
     if options.accumulation_steps == 1 and not ends_at_optimizer_step(captured):
         _refuse_update_without_optimizer_step(captured)
 
@@ -368,7 +371,7 @@ def _label_foreach(node, labels, element_labels, label_of, set_label) -> None:
             set_label(node, label)
 
 
-def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
+def _refuse_coupled_gradients(captured: CapturedGraph, clip_option: float | None = None) -> None:
     labels, first_mix = gradient_labels(captured)
     output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
     for name, index in captured.gradient_outputs.items():
@@ -380,15 +383,71 @@ def _refuse_coupled_gradients(captured: CapturedGraph) -> None:
         culprit = first_mix.get(label) or next(
             (node for mixed, node in first_mix.items() if mixed <= label and len(mixed) > 1), None)
         where = node_user_line(culprit) if culprit is not None else None
+        clip = _clip_grad_norm_call(captured, culprit)
+        what_to_do = (_clip_grad_norm_fix(clip, clip_option) if clip is not None else
+                      "What to do: keep the global transform (clip_grad_norm_, GradScaler, ...) and drop "
+                      "optimizer_in_backward, or remove the transform (per-parameter transforms such as "
+                      "p.grad.mul_(c) or per-parameter clipping stay legal).")
         raise OptpassError(
             f"optimizer_in_backward refused: the gradient of {name!r} depends on the gradients of "
             f"other parameters ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}), "
             f"combined at {where or (culprit.name if culprit is not None else 'an unknown node')}. "
             "Fusing each update into backward would apply it before the other gradients exist "
             "(torchtitan's optimizer-in-backward silently made clip_grad_norm_ a no-op this way). "
-            "What to do: keep the global transform (clip_grad_norm_, GradScaler, ...) and drop "
-            "optimizer_in_backward, or remove the transform (per-parameter transforms such as "
-            "p.grad.mul_(c) or per-parameter clipping stay legal).")
+            + what_to_do)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClipCall:
+    """A torch.nn.utils.clip_grad_norm_ traced into the step: the arguments read off its ops."""
+
+    max_norm: float | None          # None: not a constant (a tensor)
+    norm_type: float
+
+
+_CLIP_GRAD_FILE = os.path.join("torch", "nn", "utils", "clip_grad.py")
+
+
+def _clip_grad_norm_call(captured: CapturedGraph, culprit: torch.fx.Node | None) -> _ClipCall | None:
+    """The clip_grad_norm_ call (or get_total_norm + clip_grads_with_norm_) that computed `culprit`;
+    None if torch's clip_grad.py did not, or clipped nothing. max_norm is the constant its
+    ``max_norm / (total_norm + 1e-6)`` divides, norm_type the order of its ``vector_norm``/``_foreach_norm``."""
+    def functions(node):
+        return {f.function for f in stack_frames(node.meta.get("stack_trace")) if f.file.endswith(_CLIP_GRAD_FILE)}
+
+    if culprit is None or not functions(culprit):
+        return None
+    clips, max_norm, norm_type = False, None, 2.0
+    norms = ("linalg_vector_norm", "_foreach_norm")
+    for node in captured.gm.graph.nodes:
+        called = functions(node)
+        clips = clips or "_clip_grads_with_norm_" in called
+        if max_norm is None and "_clip_grads_with_norm_" in called and node.target is operator.truediv \
+                and isinstance(node.args[0], (int, float)):
+            max_norm = node.args[0]
+        if "_get_total_norm" in called and getattr(node.target, "__name__", "") in norms \
+                and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
+            norm_type = float(node.args[1])
+    return _ClipCall(max_norm, norm_type) if clips else None
+
+
+def _clip_grad_norm_fix(clip: _ClipCall, clip_option: float | None) -> str:
+    """What to do about a clip_grad_norm_ in a step with optimizer_in_backward: the clip_grad_norm
+    option, spelled with the call's max_norm."""
+    if clip_option is not None:
+        return (f"What to do: options 'clip_grad_norm': {clip_option!r} already clips by the global norm "
+                "inside backward; remove the clip_grad_norm_ call from the step (optpass.grad_norm(opt) "
+                "gives the norm it returned).")
+    max_norm = repr(clip.max_norm) if clip.max_norm is not None else "max_norm"
+    spelled = f"options={{..., 'optimizer_in_backward': True, 'clip_grad_norm': {max_norm}}}"
+    if clip.norm_type != 2.0:
+        return (f"What to do: the option 'clip_grad_norm' clips by the 2-norm and this call uses "
+                f"norm_type={clip.norm_type:g}: keep the call and drop optimizer_in_backward, or clip by "
+                f"the 2-norm with {spelled} instead of the call.")
+    return (f"What to do: remove the clip_grad_norm_ call from the step and pass {spelled}: optpass clips "
+            "by the global norm inside backward (clip_grad_norm_'s formula, from a norm-only first "
+            "backward), and optpass.grad_norm(opt) gives the norm the call returned. Or keep the call "
+            "and drop optimizer_in_backward.")
 
 
 def check_zero1(captured: CapturedGraph, options) -> None:

@@ -84,7 +84,8 @@ OPTIONS: tuple[Option, ...] = (
            "data_parallel, master_weights or grad_scaler; without them call clip_grad_norm_ in the step): "
            "with optimizer_in_backward one "
            "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
-           "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order)"),
+           "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order); after each step "
+           "optpass.grad_norm(opt) is the norm before clipping (what clip_grad_norm_ returns)"),
     Option("data_parallel", (type(None), str), None,
            "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph; "
            "'fsdp': a model passed to optpass.fully_shard, parameters, gradients and state sharded, each "

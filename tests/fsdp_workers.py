@@ -572,16 +572,18 @@ def clip_grad_norm_option(rank, world, workdir):
         step = torch.compile(make_step(model, opt), backend="optpass",
                              options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": in_backward,
                                       "clip_grad_norm": 0.05, "lower": "eager"})
-        norms = []
+        norms, optpass_norms = [], []
         for i in range(8):
             x, y = batch(i, world)
             step(mine(x, rank, world), mine(y, rank, world))
+            optpass_norms.append(optpass.grad_norm(opt).item())      # the norm of every rank's shards
             F.mse_loss(reference(x), y).backward()
             norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item())
             ref_opt.step()
             ref_opt.zero_grad()
         results["in_backward" if in_backward else "after_backward"] = {
             "vs_one_process": worst(optpass.full_state_dict(model), reference), "clipped": min(norms) > 0.05,
+            "norm_vs_one_process": max(abs(a - b) / b for a, b in zip(optpass_norms, norms)),
             "grads_left": sum(p.grad is not None for p in model.parameters())}
     return results
 

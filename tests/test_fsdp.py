@@ -193,6 +193,7 @@ def test_the_clip_grad_norm_option_clips_by_the_global_norm_of_the_shards(two, p
         got = _ok(result["clip_grad_norm_option"])[placement]
         assert got["clipped"], got          # every step clipped: the norm is not one rank's part
         assert got["vs_one_process"] <= 1e-12, got
+        assert got["norm_vs_one_process"] <= 1e-12, got      # optpass.grad_norm(opt): clip_grad_norm_'s
         assert got["grads_left"] == 0, got   # the update ran in the step graph: no .grad for opt.step()
 
 

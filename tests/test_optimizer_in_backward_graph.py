@@ -173,7 +173,7 @@ class TestOptimizerInBackwardGraph(TestCase):
         self.assertExpectedInline(diff, """\
 --- before
 +++ after
-@@ -15,8 +15,32 @@
+@@ -16,8 +16,33 @@
  view_0 = aten.view(sum_0, [2])
 +mul_0 = aten.mul.Tensor(view_0, view_0)
 +sum_1 = aten.sum(mul_0)
@@ -210,6 +210,7 @@ class TestOptimizerInBackwardGraph(TestCase):
 +copy__1 = aten.copy_(in0, copy_1)
  detach_0 = aten.detach(mse_loss_0)
 -return (detach_0, copy_0, copy_1)
++copy__2 = aten.copy_(in5, sqrt_0)
 +return (detach_0, None, None)""")
 
 

@@ -106,6 +106,8 @@ class ClippingMegatronReference(ScaledMegatronReference):
             if master is not p:
                 master.grad = p.grad.float()
                 p.grad = None
+        # what clip_grad_norm_ over the fp32 main gradients returns (it is get_total_norm, then the clip)
+        self.norm = torch.nn.utils.get_total_norm([m.grad for m in self.masters])
         self.finish_scaled_step(self.scaler, self.clip)
         return loss
 
@@ -167,6 +169,8 @@ def test_bf16_cross_entropy_mlp_with_master_weights_and_clip_in_backward_matches
         assert step(x, y).item() == reference.step(x, y).item(), i
         assert all(p.grad is None for p in model.parameters()), i
         assert param_ulps(model, reference) <= 1 and master_diff(opt, reference) <= 1e-6, i
+        assert reference.norm > MAX_NORM, i                             # the clip is active
+        assert optpass.grad_norm(opt).item() == pytest.approx(reference.norm.item(), rel=1e-6), i
     assert_clip_pass_applied(lower)
 
 
@@ -359,3 +363,158 @@ def test_a_pure_value_the_copy_needs_moves_up_and_a_random_one_is_refused():
     with pytest.raises(optpass.OptpassError, match=r"the copy reads rand_like_default \(aten.rand_like.default\), which "
                                                    r"this graph computes only later .* draws random numbers"):
         step.define_inputs_before(nodes, at, "the copy")
+
+
+# ------------------------------------------------------------------ the norm, as clip_grad_norm_ returns it
+
+NORM_PLACEMENTS = {
+    "in_backward": {"optimizer_in_backward": True},
+    # the update after backward: a grad_scaler fuses it (the norm of the unscaled gradients)
+    "after_backward_with_grad_scaler": {"grad_scaler": True},
+    "in_backward_with_grad_scaler": {"optimizer_in_backward": True, "grad_scaler": True},
+}
+
+
+def eager_scaled_clipped_step(model, opt, scaler):
+    """What the option stands for with a GradScaler: unscale_, clip_grad_norm_, step; returns the norm."""
+    def train_step(x, y):
+        loss = cross_entropy_loss(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach(), norm
+    return train_step
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+@pytest.mark.parametrize("placement", sorted(NORM_PLACEMENTS))
+def test_grad_norm_is_what_clip_grad_norm_returns_at_every_step(placement, lower):
+    """nanoGPT logs ``norm = clip_grad_norm_(...)`` every step: with the option, optpass.grad_norm(opt)
+    after each step is that norm (the eager run's, clipping active at every step), as a 0-d fp32
+    tensor the step wrote (no host sync in the step); the tensors kept in a list stay each step's."""
+    torch.manual_seed(0)
+    model = cross_entropy_mlp()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2)) for m in (model, reference))
+    options = dict(NORM_PLACEMENTS[placement])
+    if options.pop("grad_scaler", False):
+        scaler, ref_scaler = (torch.amp.GradScaler("cpu", **SCALER) for _ in range(2))
+        options["grad_scaler"] = scaler
+        eager = eager_scaled_clipped_step(reference, ref_opt, ref_scaler)
+    else:
+        eager = eager_clipped_step(reference, ref_opt)
+    step = torch.compile(user_step(model, opt), backend="optpass",
+                         options={"lower": lower, "optimizer": opt, "clip_grad_norm": MAX_NORM, **options})
+    optpass.report.clear_reports()
+    norms, expected_norms = [], []
+    for i in range(STEPS):
+        x, y = batch(i)
+        step(x, y)
+        norm = optpass.grad_norm(opt)
+        _, expected = eager(x, y)
+        assert norm.shape == () and norm.dtype == torch.float32, i
+        assert expected > MAX_NORM, i                                  # the clip is active
+        assert norm.item() == pytest.approx(expected.item(), rel=1e-5), i
+        assert max_rel_diff(model, reference) <= 1e-5, i
+        norms.append(norm)
+        expected_norms.append(expected.item())
+    assert [n.item() for n in norms] == pytest.approx(expected_norms, rel=1e-5)
+    assert len({n.item() for n in norms}) == STEPS
+    assert_clip_pass_applied(lower)
+
+
+def test_grad_norm_before_any_clipped_step_is_an_error_that_says_when_it_exists():
+    opt = torch.optim.AdamW(cross_entropy_mlp().parameters(), lr=1e-2)
+    with pytest.raises(optpass.OptpassError, match=r"no step compiled with .*'clip_grad_norm'.* has updated this "
+                                                   r"optimizer yet"):
+        optpass.grad_norm(opt)
+
+
+# ------------------------------------------------------------------ clip_grad_norm_ in the step: the option is the fix
+
+GRAD_CLIP = 1.0           # nanoGPT's module-level setting
+
+
+def nanogpt_clip_step(model, opt, **clip_kwargs):
+    """nanoGPT's step: clip_grad_norm_ between backward and opt.step(), max_norm from a setting."""
+    def train_step(x, y):
+        loss = cross_entropy_loss(model, x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, **clip_kwargs)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out, norm
+    return train_step
+
+
+def refusal(step) -> str:
+    with pytest.raises(optpass.OptpassError) as raised:
+        step(*batch(0))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("clip_option", [None, 0.5], ids=["without-the-option", "with-the-option"])
+def test_clip_grad_norm_in_a_step_with_optimizer_in_backward_names_the_option_spelled_with_its_max_norm(clip_option):
+    """The refusal names the user's line and the fix users want: the clip_grad_norm option with the
+    call's max_norm (read off the traced call: GRAD_CLIP's value, not its name), and
+    optpass.grad_norm(opt) for the norm the call returned. With the option already set, the call
+    is the one thing to remove. Nothing was updated."""
+    torch.manual_seed(0)
+    model = cross_entropy_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"lower": "eager", "optimizer": opt, "optimizer_in_backward": True}
+    if clip_option is not None:
+        options["clip_grad_norm"] = clip_option
+    message = refusal(torch.compile(nanogpt_clip_step(model, opt), backend="optpass", options=options))
+    assert "test_user_programs_clip.py:" in message, message
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, **clip_kwargs)" in message, message
+    if clip_option is None:
+        assert "options={..., 'optimizer_in_backward': True, 'clip_grad_norm': 1.0}" in message, message
+        assert "remove the clip_grad_norm_ call" in message and "drop optimizer_in_backward" in message
+    else:
+        assert "options 'clip_grad_norm': 0.5 already clips" in message, message
+        assert "remove the clip_grad_norm_ call" in message and "drop optimizer_in_backward" not in message
+    assert "optpass.grad_norm(opt)" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_clip_grad_norm_by_another_norm_type_is_told_the_option_clips_by_the_2_norm():
+    model = cross_entropy_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch.compile(nanogpt_clip_step(model, opt, norm_type=float("inf")), backend="optpass",
+                         options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True})
+    message = refusal(step)
+    assert "clips by the 2-norm and this call uses norm_type=inf" in message, message
+    assert "keep the call and drop optimizer_in_backward" in message
+    assert "'clip_grad_norm': 1.0}" in message
+
+
+def test_the_fix_the_refusal_spells_trains_as_the_refused_step_does_eagerly():
+    """Take the options the message spells, drop the call: the step trains as the refused step does
+    in eager (its parameters and the norm it returned), clipping active at every step."""
+    import ast
+    import re
+
+    torch.manual_seed(0)
+    model = cross_entropy_mlp()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2)) for m in (model, reference))
+    message = refusal(torch.compile(nanogpt_clip_step(model, opt), backend="optpass",
+                                    options={"lower": "eager", "optimizer": opt, "optimizer_in_backward": True}))
+    spelled = ast.literal_eval("{" + re.search(r"options=\{\.\.\., (.*?)\}", message).group(1) + "}")
+    torch._dynamo.reset()
+    step = torch.compile(user_step(model, opt), backend="optpass",
+                         options={"lower": "eager", "optimizer": opt, **spelled})
+    eager = nanogpt_clip_step(reference, ref_opt)
+    for i in range(STEPS):
+        x, y = batch(i)
+        step(x * 4, y)                       # larger inputs: norms above GRAD_CLIP
+        _, norm = eager(x * 4, y)
+        assert norm > GRAD_CLIP, i
+        assert optpass.grad_norm(opt).item() == pytest.approx(norm.item(), rel=1e-5), i
+        assert max_rel_diff(model, reference) <= 1e-5, i

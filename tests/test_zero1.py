@@ -73,6 +73,13 @@ def test_clip_grad_norm_option_clips_the_averaged_gradients(trained):
     plain = next(r for r in per_rank[0] if r["optimizer"] == "AdamW" and r["partition"] == "even"
                  and not r["in_backward"] and not r.get("clip") and r.get("lower", "eager") == "eager")
     assert abs(clipped["checksum"] - plain["checksum"]) > 1e-6 * plain["checksum"]
+    # optpass.grad_norm(opt) after each step: the averaged gradients' norm, what clip_grad_norm_
+    # returns in one process on the whole batch (every step clipped)
+    for results in per_rank:
+        clipped = next(r for r in results if r.get("clip"))
+        assert len(clipped["norms"]) == len(clipped["single_process_norms"]) > 1
+        assert min(clipped["single_process_norms"]) > clipped["clip"]
+        assert clipped["norms"] == pytest.approx(clipped["single_process_norms"], rel=1e-12)
 
 
 def test_optimizer_state_per_rank_is_one_nth_within_one_bucket(trained):

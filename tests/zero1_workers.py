@@ -96,19 +96,24 @@ def scheduler(opt, case: dict):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if case.get("scheduler") else None
 
 
-def clip(model, case: dict) -> None:
+def clip(model, case: dict) -> float | None:
+    """clip_grad_norm_ if the case clips; the norm it returns."""
     if case.get("clip") is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"]).item()
+    return None
 
 
-def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: dict | None = None) -> nn.Module:
+def train_single_process(optimizer: str, world: int, steps: int = STEPS, case: dict | None = None,
+                         norms: list | None = None) -> nn.Module:
     model = make_model()
     opt = make_optimizer(optimizer, param_groups(model))
     lr_schedule = scheduler(opt, case or {})
     for i in range(steps):
         x, y = global_batch(i, world, case)
         loss_fn(model, x, y).backward()
-        clip(model, case or {})
+        norm = clip(model, case or {})
+        if norms is not None:
+            norms.append(norm)
         opt.step()
         opt.zero_grad()
         if lr_schedule is not None:
@@ -236,16 +241,20 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         lr_schedule = scheduler(opt, case)
         optpass.report.clear_reports()
         codes: list[str] = []
+        norms = []                             # optpass.grad_norm(opt) after each clipped step
         with optpass.keep_graphs(), inductor_code(codes):
             for i in range(STEPS):
                 step(*local(global_batch(i, world, case), rank, world))
                 assert all(p.grad is None for p in model.parameters())
+                if case.get("clip") is not None:
+                    norms.append(optpass.grad_norm(opt).item())
                 if lr_schedule is not None:
                     lr_schedule.step()
         steps = [r for r in optpass.recent_reports() if r.kind is optpass.GraphKind.STEP]
         report, first_step = steps[-1], steps[0]     # the steady graph; the one step 1 ran
         sharded = optpass.zero1.sharded_state(opt)
-        reference = train_single_process(case["optimizer"], world, case=case)
+        reference_norms: list = []
+        reference = train_single_process(case["optimizer"], world, case=case, norms=reference_norms)
         # unsharded state bytes: what torch.optim holds for the same model after one step
         unsharded_opt = make_optimizer(case["optimizer"], param_groups(train_single_process(case["optimizer"], world, 1)))
         for group in unsharded_opt.param_groups:
@@ -260,6 +269,7 @@ def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
         results.append({
             **case,
             "vs_single_process": rel_diff(model, reference),
+            "norms": norms, "single_process_norms": reference_norms if norms else [],
             "checksum": sum(p.detach().double().abs().sum().item() for p in model.parameters()),
             "vs_ddp_zero": rel_diff(model, train_ddp_zero(rank, case["optimizer"], world, case)),
             "state_bytes": state_bytes, "unsharded_state_bytes": unsharded,

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from optpass.step import BACKWARD, GRADIENT_TRANSFORM, is_view
+from optpass.step import BACKWARD, GRADIENT_TRANSFORM, REGION_KEY, UPDATE, is_view
 
 aten = torch.ops.aten
 
@@ -18,6 +18,9 @@ aten = torch.ops.aten
 # clips the gradients of either).
 OPTIMIZER_UPDATE = "optimizer_update"     # optimizer_in_backward's plan
 MASTER_UPDATE = "master_update"           # master_weights' plan
+# The Dynamo input index of the 0-d tensor into which a clipping pass writes the global gradient
+# norm before clipping (clip_grad_norm_'s return value; ``runtime/grad_norm.py`` hands it out).
+GRAD_NORM_OUTPUT = "grad_norm_output"
 
 
 # ---------------------------------------------------------------- a fused gradient and its update
@@ -206,6 +209,19 @@ def sum_all(emit, values: list[torch.fx.Node]) -> torch.fx.Node:
     for value in values[1:]:
         total = emit(aten.add.Tensor, total, value)
     return total
+
+
+def write_grad_norm(step, norm: torch.fx.Node) -> None:
+    """``copy_(out, norm)`` before the graph's output, ``out`` being the input that
+    ``step.context[GRAD_NORM_OUTPUT]`` names (nothing when the runtime passed none): the step
+    hands out its pre-clip global norm without a host sync."""
+    index = step.context.get(GRAD_NORM_OUTPUT)
+    if index is None:
+        return
+    out = placeholders_by_dynamo_index(step.graph)[index]
+    with step.graph.inserting_before(step.output_node):
+        write = step.emit(aten.copy_.default, out, norm)
+    write.meta[REGION_KEY] = UPDATE
 
 
 def clip_coefficient(emit, norm: torch.fx.Node, max_norm: float) -> torch.fx.Node:

@@ -29,6 +29,9 @@ Under data_parallel='fsdp' each gradient is this rank's shard (averaged over the
 of squared norms is all-reduced (one scalar) before the coefficient, so every rank clips by the
 global norm.
 
+The pre-clip global norm, what ``clip_grad_norm_`` returns, is copied into a 0-d input that the
+runtime passes (``GRAD_NORM_OUTPUT``; ``optpass.grad_norm(opt)`` hands it to the user after the step).
+
 Effect: the same parameters as eager ``clip_grad_norm_(params, max_norm)``
 followed by ``opt.step()`` (of the fp32 master gradients with master_weights),
 with gradient memory still about one gradient inside backward; that costs one
@@ -49,7 +52,7 @@ from optpass.errors import OptpassError
 from optpass.fsdp.shard import shard_spec
 from optpass.passes._graph_utils import (MASTER_UPDATE, OPTIMIZER_UPDATE, clip_coefficient, first_backward,
                                          gradient_value, in_graph_order, reduce_after, replacing_gradient,
-                                         squared_norm, sum_all)
+                                         squared_norm, sum_all, write_grad_norm)
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -112,7 +115,9 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
         at = step.output_node
     with graph.inserting_before(at):
         total = summed_over_the_ranks_shards(step, names, sum_all(emit, squares))
-        coef = clip_coefficient(emit, emit(aten.sqrt.default, total), max_norm)
+        norm = emit(aten.sqrt.default, total)
+        coef = clip_coefficient(emit, norm, max_norm)
+    write_grad_norm(step, norm)              # what clip_grad_norm_ returns: optpass.grad_norm(opt)
     # Each fused gradient is scaled before its update reads it: inside backward right after the
     # gradient (every reader of it reads the clipped one); after backward at the end, where only
     # the update reads it (Dynamo's copy into .grad, before it, is dropped with the gradient output).

@@ -38,6 +38,10 @@ even without optimizer_in_backward (after backward: a skipped step must skip it
 in the same graph). State a skipped first update created is not stored: eager
 GradScaler skips ``opt.step()`` entirely.
 
+With ``clip_grad_norm`` the graph also gets a fresh 0-d tensor at every call, into which it writes
+the global gradient norm before clipping; after the call it is the optimizer's last norm
+(``runtime/grad_norm.py``, ``optpass.grad_norm(opt)``).
+
 Either way the fused parameters' gradient outputs are ``None``: ``p.grad`` is
 None after the step and the ``opt.step()`` in the step has nothing to do
 (docs/design.md §17). State lives in ``opt.state`` as always, read afresh at every call, so
@@ -63,9 +67,10 @@ from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_shard_spec
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
 from optpass.passes import loss_scaling
-from optpass.passes._graph_utils import keep_updates_where_gradients_die
+from optpass.passes._graph_utils import GRAD_NORM_OUTPUT, keep_updates_where_gradients_die
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.precision import grad_scaler
+from optpass.runtime import grad_norm
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -139,6 +144,7 @@ class _FusedGraph:
     extras: Callable[[], list]                # lr and state inputs, read afresh at every call
     created: dict[tuple[str, str], CreatedState]
     hyperparameters: list[dict]
+    grad_norm_at: int | None = None           # clip_grad_norm: where in the extras the step writes the norm
 
 
 class FusedStep:
@@ -267,6 +273,8 @@ class FusedStep:
     def _run(self, fused: _FusedGraph, args, extras: list | None):
         extras = fused.extras() if extras is None else extras
         outputs = fused.run(*args, *extras)
+        if fused.grad_norm_at is not None:
+            grad_norm.record(self.optimizer, extras[fused.grad_norm_at])
         if fused.created and not (self.options.grad_scaler and grad_scaler.last_step_skipped(self.options.grad_scaler)):
             # state this (first) update created; a skipped step created none (eager's skips opt.step())
             optimizer, names = self._update_source()
@@ -295,12 +303,14 @@ class FusedStep:
         scaler_names = ["optpass_scale", "optpass_growth_tracker", "optpass_skipped", "optpass_skip_count"] \
             if scaler else []
         gm = torch.fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-        # extra inputs, in this order: each group's lr, the scaler's tensors, separate parameters
-        # (masters), state
-        first_extra = append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names +
+        norm_names = ["optpass_grad_norm"] if self.options.clip_grad_norm is not None else []
+        # extra inputs, in this order: each group's lr, the scaler's tensors, the norm clipping writes,
+        # separate parameters (masters), state
+        first_extra = append_placeholders(gm, [f"optpass_lr_{g}" for g in groups] + scaler_names + norm_names +
                                            [f"optpass_master_{n}".replace(".", "_") for n in separate] +
                                            [f"optpass_state_{n}_{k}".replace(".", "_") for n, k in state_keys])
-        first_master = first_extra + len(groups) + len(scaler_names)
+        norm_at = len(groups) + len(scaler_names) if norm_names else None
+        first_master = first_extra + len(groups) + len(scaler_names) + len(norm_names)
         first_state = first_master + len(separate)
         context_key, plan = self._make_plan(
             harvested,
@@ -308,6 +318,8 @@ class FusedStep:
             state_index={nk: first_state + i for i, nk in enumerate(state_keys)},
             param_index={n: first_master + i for i, n in enumerate(separate)})
         context = {context_key: plan}
+        if norm_at is not None:
+            context[GRAD_NORM_OUTPUT] = first_extra + norm_at
         if scaler:
             scale_index = first_extra + len(groups)
             loss_scaling.scale_loss(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][scale_index])
@@ -326,14 +338,15 @@ class FusedStep:
                 lr = self._lr(g)
                 lrs.append(lr if isinstance(lr, torch.Tensor) else float_lr[g].fill_(lr))
             scaling = grad_scaler.graph_inputs(scaler, device) if scaler else []
-            return (lrs + scaling + [names[n] for n in separate] + [optimizer.state[p][key] for p, key in existing]
-                    + [spec.allocate() for spec in created.values()])
+            norm = [grad_norm.out(self.fused.values())] if norm_names else []
+            return (lrs + scaling + norm + [names[n] for n in separate]
+                    + [optimizer.state[p][key] for p, key in existing] + [spec.allocate() for spec in created.values()])
 
         inputs = extras()
         # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
         # tensors: a size Dynamo made dynamic (sequence length, last batch) stays symbolic.
         run = self.compile_fn(gm, symbolic_inputs(self.gm, args, inputs), context)
-        return _FusedGraph(run, extras, created, self._hyperparameter_snapshot()), inputs
+        return _FusedGraph(run, extras, created, self._hyperparameter_snapshot(), norm_at), inputs
 
     def _hyperparameter_snapshot(self) -> list[dict]:
         """Each group's compiled-in hyper-parameters; none for an empty group, which has no update

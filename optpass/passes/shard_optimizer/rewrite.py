@@ -10,7 +10,7 @@ import torch.fx
 
 from optpass.errors import OptpassError
 from optpass.passes._graph_utils import (clip_coefficient, copy_slice, placeholders_by_dynamo_index, squared_norm,
-                                         sum_all, take_gradient_outputs)
+                                         sum_all, take_gradient_outputs, write_grad_norm)
 from optpass.passes.shard_optimizer.collectives import PLANS, _chunk_dtype
 from optpass.passes.shard_optimizer.placement import (_Emitter, _InsertPoints, _insertion_order, _is_a_sum,
                                                       _stage_points)
@@ -138,7 +138,9 @@ def _emit_clipped_update(emit: _Emitter, plan: ShardPlan, collectives, started: 
         local = emit(aten.full.default, [], 0.0, dtype=dtype, layout=torch.strided, device=device,
                      pin_memory=False)
     total = emit(functional.wait_tensor.default, emit(functional.all_reduce.default, local, "sum", group_name))
-    coef = clip_coefficient(emit, emit(aten.sqrt.default, total), plan.clip_grad_norm)
+    norm = emit(aten.sqrt.default, total)
+    coef = clip_coefficient(emit, norm, plan.clip_grad_norm)
+    write_grad_norm(emit.step, norm)           # what clip_grad_norm_ returns: optpass.grad_norm(opt)
     gathering = [collectives.start_gather(emit, bucket, _emit_shard_update(
                      emit, plan, bucket, None if chunk is None else emit(aten.mul.Tensor, chunk, coef), inputs))
                  for bucket, chunk in zip(layout.buckets, chunks)]
