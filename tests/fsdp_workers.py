@@ -559,6 +559,73 @@ def hf_gpt2_tied(rank, world, workdir):
     return result
 
 
+def _hf_config(kind: str):
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def hf_load_safetensors(rank, world, workdir):
+    """A Hugging Face save_pretrained directory (one file, and sharded with an index) loaded into a
+    fully sharded model of other weights: each rank reads its rows only; the gathered parameters and
+    the logits equal from_pretrained's in one process. GPT-2 stores its tied head once."""
+    import os
+
+    import transformers
+
+    from optpass.fsdp.safetensors_source import SafetensorsSource
+
+    transformers.logging.set_verbosity_error()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for kind, model_class in (("llama", transformers.LlamaForCausalLM), ("gpt2", transformers.GPT2LMHeadModel)):
+        for layout, max_shard_size in (("one_file", "1GB"), ("sharded", "40KB")):
+            path = os.path.join(workdir, f"hf-{kind}-{layout}-{world}")
+            if rank == 0:
+                torch.manual_seed(0)
+                model_class(_hf_config(kind)).save_pretrained(path, max_shard_size=max_shard_size)
+            dist.barrier()
+            reference = model_class.from_pretrained(path).eval()
+            torch.manual_seed(1 + rank)                   # other weights, different on every rank
+            model = model_class(_hf_config(kind)).eval()
+            optpass.fully_shard(model)
+            asked = []                                    # (rows asked for, rows of the tensor) per read
+            read_rows = SafetensorsSource.rows
+
+            def recording(self, key, start, stop):
+                asked.append((stop - start, (self.shape(key) or (1,))[0]))
+                return read_rows(self, key, start, stop)
+            SafetensorsSource.rows = recording
+            try:
+                optpass.load_full_state_dict(model, path)
+            finally:
+                SafetensorsSource.rows = read_rows
+            full = optpass.full_state_dict(model)
+            expected = reference.state_dict()
+            with torch.no_grad():
+                logits, reference_logits = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
+            results[f"{kind}/{layout}"] = {
+                "files": len([f for f in os.listdir(path) if f.endswith(".safetensors")]),
+                "vs_from_pretrained": max((full[k] - expected[k]).abs().max().item() for k in expected),
+                "logits": (logits - reference_logits).abs().max().item(),
+                "rows_beyond_a_shard": max(n - -(-total // world) for n, total in asked),
+                "reads": len(asked),
+            }
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(_hf_config("llama").__class__(**{**_hf_config("llama").to_dict(),
+                                                                          "intermediate_size": 48}))
+    optpass.fully_shard(small)
+    try:
+        optpass.load_full_state_dict(small, os.path.join(workdir, f"hf-llama-one_file-{world}"))
+    except optpass.OptpassError as error:
+        results["wrong_shape"] = str(error)
+    return results
+
+
 def clip_grad_norm_option(rank, world, workdir):
     """The clip_grad_norm option with the update in backward (the global norm from a norm-only first
     backward: every rank's squared shard norms, one all-reduce) and after backward (the norm of the

@@ -15,7 +15,7 @@ from optpass.passes.reshard_after_forward import unit_of
 import fsdp_workers as workers
 from distributed import run_ranks, values
 
-TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "master_weights_bf16",
+TWO = ["hf_load_safetensors", "equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "master_weights_bf16",
        "against_fsdp2", "evaluation", "elementwise_transform_in_the_step", "checkpoint_save",
        "not_fully_sharded", "optimizer_before_fully_shard", "fully_sharded_without_the_option",
        "clip_grad_norm_in_the_step", "options_differ", "non_elementwise_optimizer", "explain_an_fsdp_step",
@@ -23,7 +23,7 @@ TWO = ["equivalence", "tied_weights", "frozen_and_dynamic", "accumulation", "mas
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_off_gloo",
        "gloo_collectives_run_on_one_thread", "coalesced_units", "fsdp2_style_blocks_then_root",
        "fsdp2_style_blocks_only"]
-THREE = ["equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
+THREE = ["hf_load_safetensors", "equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
          "coalesced_units_inductor"]
 
 
@@ -53,6 +53,23 @@ def _ok(result):
 def _error(result) -> tuple[str, str]:
     assert "error" in result, result
     return result["error"][:2]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hugging_face_checkpoint_loads_each_ranks_rows_from_safetensors(two, three, world):
+    results = _ok((two if world == 2 else three)["hf_load_safetensors"])
+    for kind in ("llama", "gpt2"):
+        assert results[f"{kind}/sharded"]["files"] > 1 and results[f"{kind}/one_file"]["files"] == 1
+        for layout in ("one_file", "sharded"):
+            loaded = results[f"{kind}/{layout}"]
+            assert loaded["vs_from_pretrained"] == 0.0, (kind, layout, loaded)
+            assert loaded["logits"] <= 1e-5, (kind, layout, loaded)
+            # no full copy of a parameter: each read asks for this rank's rows only (safetensors
+            # maps the file and copies the slice asked for)
+            assert loaded["reads"] > 0 and loaded["rows_beyond_a_shard"] <= 0, (kind, layout, loaded)
+    assert "intermediate_size" not in results["wrong_shape"]
+    assert "mlp.gate_proj.weight has shape (64, 32) in the checkpoint, the model's is (48, 32)" in \
+        results["wrong_shape"], results["wrong_shape"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -66,36 +66,60 @@ def _gathered(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return pieces[:spec.rows].reshape(spec.shape).clone()
 
 
-def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load full tensors (``full_state_dict``'s or a single-process model's ``state_dict()``) into a
-    fully sharded model: each rank keeps its shard of each parameter. No collective.
+def load_full_state_dict(model: torch.nn.Module, source, strict: bool = True) -> None:
+    """Load full tensors into a fully sharded model: each rank keeps its shard of each parameter.
+    No collective.
 
     Args:
         model: a module passed to ``optpass.fully_shard``.
-        state_dict: ``{name: full tensor}`` with every parameter and buffer of the model.
+        source: ``{name: full tensor}`` (``full_state_dict``'s or a single-process model's
+            ``state_dict()``), or the path of a ``.safetensors`` file or of a directory of them (a
+            Hugging Face ``save_pretrained`` directory, sharded with ``model.safetensors.index.json``
+            or not): then each rank reads from disk only its own rows of each sharded parameter,
+            never a full copy. A weight tied between two names may be stored under either, and a
+            Hugging Face base model's keys (without ``model.base_model_prefix``) load into its head
+            model. Tensors stored in another dtype are converted, as ``load_state_dict`` does.
+        strict: a stored name the model does not have is an error (False: it is ignored). A name
+            of the model that is not stored is always an error.
 
     Raises:
         OptpassError: the model holds no sharded parameter; a name is missing or unexpected; a
-            tensor's shape is not the parameter's.
+            tensor's shape is not the parameter's; a path that holds no ``.safetensors`` file.
     """
+    from optpass.fsdp.safetensors_source import SafetensorsSource, is_safetensors_source, match_names
+
     _require_sharded(model)
     own = model.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise OptpassError(f"load_full_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    if is_safetensors_source(source):
+        files = SafetensorsSource(source)
+        key_of, missing, unexpected = match_names(model, own, files.keys())
+        shape_of, rows_of = files.shape, files.rows
+    else:
+        key_of = {name: name for name in own if name in source}
+        missing, unexpected = sorted(set(own) - set(source)), sorted(set(source) - set(own))
+        shape_of = (lambda key: tuple(source[key].shape))
+
+        def rows_of(key, start, stop):
+            value = source[key]
+            return (value if value.dim() else value.reshape(1))[start:stop]
+    if missing or (unexpected and strict):
+        raise OptpassError(f"load_full_state_dict: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                           f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                           f"({len(missing)} missing, {len(unexpected)} unexpected"
+                           f"{'' if strict else ', unexpected ignored: strict=False'}).")
     with torch.no_grad():
         for name, target in own.items():
-            value, spec = state_dict[name], shard_spec(target)
+            key, spec = key_of[name], shard_spec(target)
             shape = spec.shape if spec is not None else tuple(target.shape)
-            if tuple(value.shape) != tuple(shape):
-                raise OptpassError(f"load_full_state_dict: {name} has shape {tuple(value.shape)}, the model's "
-                                   f"is {tuple(shape)}.")
+            if tuple(shape_of(key)) != tuple(shape):
+                raise OptpassError(f"load_full_state_dict: {name} has shape {tuple(shape_of(key))} in the "
+                                   f"checkpoint, the model's is {tuple(shape)}.")
             if spec is None:
-                target.copy_(value)
+                target.copy_(rows_of(key, 0, shape[0] if shape else 1).reshape(target.shape))
             else:
                 target.zero_()
-                rows = value.reshape(spec.rows, *target.shape[1:])
-                target[:spec.valid].copy_(rows[spec.offset:spec.offset + spec.valid])
+                rows = rows_of(key, spec.offset, spec.offset + spec.valid)
+                target[:spec.valid].copy_(rows.reshape(spec.valid, *target.shape[1:]))
 
 
 def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
