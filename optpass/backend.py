@@ -17,7 +17,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
-                             module_buffers, warn_backward_outside, warn_if_update_recompiles)
+                             module_buffers, warn_backward_outside, warn_if_update_recompiles,
+                             warn_recurrent_fallback)
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
@@ -95,6 +96,9 @@ def _compile(gm, example_inputs, options, mode):
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.
     if captured.kind is GraphKind.FORWARD and options.warn_on_graph_break:
         warn_backward_outside(captured)
+    # An nn.LSTM inside vmap(grad): Dynamo skipped the DP step around it, which ran eagerly: say so, with the fix.
+    if captured.skipped_recurrent is not None and options.warn_on_graph_break:
+        warn_recurrent_fallback(captured)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
     # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.

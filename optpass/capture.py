@@ -185,6 +185,9 @@ class CapturedGraph:
     # the break's source line could not be read (a script on stdin, some REPLs): optpass cannot
     # tell the step shape from a break in code the step calls
     split_source_unread: bool = False
+    # an nn.RNN/GRU/LSTM met since the previous graph for which Dynamo skipped the function around it
+    # (inside torch.func's vmap/grad), which ran eagerly: Dynamo's description of the module; None if none
+    skipped_recurrent: str | None = None
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -270,6 +273,7 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         split_caller=_calling_step_line(split) if split else None,
         later_break=_later_break(split, breaks) if split else None,
         split_source_unread=bool(split and _source_unread(split)),
+        skipped_recurrent=_skipped_recurrent(breaks),
     )
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
@@ -319,6 +323,22 @@ def _later_break(split, breaks: list[str]) -> str | None:
     if not others or any(marker in b for b in others for marker in _OPTIMIZER_BREAKS):
         return None
     return "; ".join(_first_lines(b) for b in others)
+
+
+_RECURRENT = "Attempted to wrap RNN, GRU, or LSTM"
+_SKIPPED_FRAME = "Skipping frame"
+_MODULE_CONTEXT = re.compile(r"Developer debug context: ((?:RNN|GRU|LSTM)\(.*\))")
+
+
+def _skipped_recurrent(breaks: list[str]) -> str | None:
+    """Dynamo's description of an nn.RNN/GRU/LSTM it refused and, for it, skipped the whole function
+    around it (as inside torch.func's vmap/grad, which cannot break the graph), e.g.
+    ``LSTM(5, 8, batch_first=True)``; None if no such break was met."""
+    recurrent = [b for b in breaks if b.startswith(_RECURRENT) and _SKIPPED_FRAME in b]
+    if not recurrent:
+        return None
+    found = _MODULE_CONTEXT.search(recurrent[0])
+    return found.group(1) if found else "an nn.RNN, GRU or LSTM"
 
 
 def _first_lines(reason: str) -> str:
@@ -563,6 +583,37 @@ class BackwardOutsideGraphWarning(UserWarning):
     Warned once per source line, at the user's line, with the reason for the break and the fix,
     unless the option ``warn_on_graph_break`` is False. A ``UserWarning``.
     """
+
+
+class RecurrentLayerFallbackWarning(BackwardOutsideGraphWarning):
+    """An nn.RNN/GRU/LSTM inside ``torch.func.vmap(grad(...))`` (a DP-SGD step): Dynamo does not trace
+    it, and skips the whole function around the vmap, which runs eagerly, uncompiled.
+
+    Warned once per module description, with the fix (Opacus's ``DPLSTM``/``DPGRU``/``DPRNN``); a
+    ``BackwardOutsideGraphWarning`` (the per-sample backward runs outside optpass's graph).
+    """
+
+
+_WARNED_RECURRENT: set[str] = set()
+_OPACUS_LAYER = {"LSTM": "DPLSTM", "GRU": "DPGRU", "RNN": "DPRNN"}
+
+
+def warn_recurrent_fallback(captured: CapturedGraph) -> None:
+    """Warn once per module that an nn.RNN/GRU/LSTM under torch.func made Dynamo skip a function."""
+    module = captured.skipped_recurrent
+    if module is None or module in _WARNED_RECURRENT:
+        return
+    _WARNED_RECURRENT.add(module)
+    layer = _OPACUS_LAYER.get(module.split("(")[0], "DPLSTM")
+    warn_at_user_line(
+        f"optpass: Dynamo does not trace {module} (torch.nn's RNN, GRU and LSTM) and skipped the whole "
+        "function it was called from (inside torch.func.vmap/grad the graph cannot break around it): that "
+        "function ran eagerly, uncompiled, outside anything optpass can see or rewrite; in a DP-SGD step, "
+        "the per-sample gradients, their norms, clipping and noise (no per_sample_grad_norm). Fix: replace "
+        "the layer with Opacus's drop-in "
+        f"opacus.layers.{layer} (the same arguments and state_dict, made of nn.Linear layers), which "
+        "compiles and is rewritten; torch._dynamo.config.allow_rnn=True does not trace it under vmap(grad).",
+        RecurrentLayerFallbackWarning)
 
 
 SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_grad(); return out")

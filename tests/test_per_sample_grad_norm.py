@@ -766,3 +766,57 @@ def test_explain_gives_one_line_per_weight_and_calls_an_embedding_an_embedding(t
         assert sum(note.startswith(f"head.weight (Linear weight [32, 16]): {rewritten}") for note in notes) == 1
         assert len(notes) == len(weights) + 3
     assert notes[-1].startswith("left as traced (15): pos, layers.0.norm1.weight")
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+class _SequenceClassifier(nn.Module):
+    def __init__(self, recurrent):
+        super().__init__()
+        self.recurrent, self.head = recurrent, nn.Linear(7, CLASSES)
+
+    def forward(self, x):
+        out, _ = self.recurrent(x)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("layer", ["nn.LSTM", "DPLSTM"])
+def test_an_lstm_in_a_vmap_grad_step_warns_that_it_runs_eagerly_and_opacus_dplstm_compiles(layer):
+    """nn.LSTM inside vmap(grad): Dynamo skips the function around it, which runs eagerly; optpass warns
+    at the user's line, naming the module, the fallback and Opacus's DPLSTM. With DPLSTM (the fix) the
+    step compiles and is rewritten, without the warning. Both equal the eager step over 3 steps."""
+    import warnings
+
+    from opacus.layers import DPLSTM
+
+    torch.manual_seed(0)
+    recurrent = nn.LSTM(IN, 7, batch_first=True) if layer == "nn.LSTM" else DPLSTM(IN, 7, batch_first=True)
+    model = _SequenceClassifier(recurrent)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(make_trainable_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5), B, NOISE),
+                             backend="optpass", options={"lower": "eager"})
+    reference = make_trainable_dp_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), B, NOISE)
+    optpass.report.clear_reports()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = batch(step, 5)
+            torch.manual_seed(100 + step)
+            norms, _ = compiled(x, y[:, 0])
+            torch.manual_seed(100 + step)
+            expected, _ = reference(x, y[:, 0])
+            torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours = [w for w in caught if issubclass(w.category, optpass.RecurrentLayerFallbackWarning)]
+    rewritten = [p.status for r in optpass.recent_reports() for p in r.passes
+                 if p.name == "per_sample_grad_norm" and p.status == "applied"]
+    if layer == "nn.LSTM":
+        assert len(ours) == 1 and not rewritten
+        message = str(ours[0].message)
+        assert message.startswith(f"optpass: Dynamo does not trace LSTM({IN}, 7, batch_first=True)")
+        assert "ran eagerly, uncompiled" in message and "opacus.layers.DPLSTM" in message
+        assert issubclass(ours[0].category, optpass.BackwardOutsideGraphWarning)
+        assert ours[0].filename == __file__
+    else:
+        assert not ours and rewritten
