@@ -19,6 +19,7 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              module_buffers, warn_backward_outside, warn_if_update_recompiles,
                              warn_recurrent_fallback)
+from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
@@ -38,6 +39,8 @@ from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signa
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
 # module before Dynamo traces anything, so backward() is captured from the first call.
 enable_backward_capture()
+# Dynamo's error for a vmap over an empty batch (before any graph reaches optpass) names pad_batch.
+note_pad_batch_on_empty_vmaps()
 
 
 def optpass_backend(gm, example_inputs, options=None, mode=None):
@@ -91,6 +94,8 @@ def _compile(gm, example_inputs, options, mode):
         raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
     # Someone may have replaced Dynamo's ignore set since the backend was looked up.
     ignore_logging_calls()
+    # torch._dynamo.reset() drops Dynamo's callbacks: the one that names pad_batch comes back here.
+    note_pad_batch_on_empty_vmaps()
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.

@@ -26,6 +26,10 @@ the usual models; the mask then removes them exactly.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+
 import torch
 
 __all__ = ["bucket_size", "pad_batch"]
@@ -79,3 +83,46 @@ def pad_batch(*tensors: torch.Tensor, multiple: int) -> tuple[torch.Tensor, ...]
     padded = tuple(torch.cat([t, t.new_zeros((size - batch, *t.shape[1:]))]) for t in tensors)
     mask = torch.arange(size, device=tensors[0].device) < batch
     return (*padded, mask)
+
+
+# How Dynamo's fake-tensor error prints a vmapped value: the batch dimension and the sizes under it.
+_BATCHED = re.compile(r"BatchedTensor\(lvl=\d+, bdim=(\d+), value=\s*FakeTensor\(\.\.\., size=\(([^)]*)\)")
+_VMAP_FILE = f"_functorch{os.sep}vmap.py"
+EMPTY_BATCH_NOTE = (
+    "optpass: this error comes from torch.func.vmap over an empty batch (0 examples, which Poisson "
+    "sampling draws): the batching rules of some ops (an Embedding's backward, a reshape with -1) fail on "
+    "0 examples, eager and compiled. Pad each batch with optpass.pad_batch(x, y, multiple=m) and zero the "
+    "padded examples' clip coefficients with its mask (docs/dp_sgd.md, 'Poisson sampling'): an empty "
+    "batch is padded to m examples, and the step adds the noise alone.")
+
+
+def note_pad_batch_on_empty_vmaps() -> None:
+    """Have Dynamo's error for a ``vmap`` over an empty batch point at ``pad_batch``.
+
+    Such an error is raised while Dynamo traces the step, before any backend sees a graph; a
+    compile-end callback (it runs while the error propagates) adds ``EMPTY_BATCH_NOTE`` to it as a
+    note, which Python prints after the message. Other errors are left as they are.
+
+    ``torch._dynamo.reset()`` drops Dynamo's callbacks: optpass calls this at import and at every
+    compile, so an empty batch that is the first compile after a reset fails without the note.
+    """
+    if _note_an_empty_vmap not in torch._dynamo.callback.callback_handler.end_callbacks:
+        torch._dynamo.callback.on_compile_end(_note_an_empty_vmap)
+
+
+def _note_an_empty_vmap(_args) -> None:
+    error = sys.exc_info()[1]
+    if isinstance(error, RuntimeError) and _vmapped_an_empty_batch(error) \
+            and EMPTY_BATCH_NOTE not in getattr(error, "__notes__", ()):
+        error.add_note(EMPTY_BATCH_NOTE)
+
+
+def _vmapped_an_empty_batch(error: RuntimeError) -> bool:
+    """Did tracing fail inside a vmap, on a value whose batch dimension has 0 examples?"""
+    if not any(_VMAP_FILE in frame.filename for frame in getattr(error, "real_stack", None) or ()):
+        return False
+    for bdim, sizes in _BATCHED.findall(str(error)):
+        sizes = [s.strip() for s in sizes.split(",") if s.strip()]
+        if int(bdim) < len(sizes) and sizes[int(bdim)] == "0":
+            return True
+    return False

@@ -193,3 +193,60 @@ def test_rewrite_applies_to_a_symbolic_batch_size_compiled_once(lower):
 
     assert per_sample_weight_gradients(report.graph_before)
     assert per_sample_weight_gradients(report.graph_after) == []
+
+
+VOCAB, TOKENS = 13, 5
+
+
+def make_token_step(model, opt):
+    """The recipe's step for a token model (an Embedding, then a Linear over the vocabulary); with
+    ``mask`` None, the unpadded step."""
+    def loss_of_params(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),))[0], y)
+
+    def step(x, y, mask=None):
+        trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        params = {k: p.detach() for k, p in trainable.items()}
+        per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        coef = (C / (norms + 1e-6)).clamp(max=1.0)
+        if mask is not None:
+            coef = torch.where(mask, coef, 0)
+        for name, p in trainable.items():
+            p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
+                      + NOISE * C * torch.randn_like(p)) / EXPECTED
+        out = norms.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return step
+
+
+def test_an_unpadded_empty_batch_fails_with_a_note_that_points_at_pad_batch_and_the_padded_one_adds_the_noise():
+    """Poisson sampling draws an empty batch after a non-empty one: vmap over 0 examples fails while
+    Dynamo traces (an Embedding's batched backward), before optpass sees a graph; the error carries
+    optpass's note naming pad_batch. Padded, the same batch trains: the update is the noise alone. An error inside a vmap over
+    a non-empty batch gets no such note."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB))
+    step = torch.compile(make_token_step(model, torch.optim.SGD(model.parameters(), lr=LR)), backend="optpass",
+                         options={"lower": "eager"}, dynamic=False)
+    step(torch.randint(0, VOCAB, (3, TOKENS)), torch.randint(0, VOCAB, (3, TOKENS)))   # a first, non-empty batch
+    x, y = torch.zeros(0, TOKENS, dtype=torch.long), torch.zeros(0, TOKENS, dtype=torch.long)
+    with pytest.raises(RuntimeError) as failed:
+        step(x, y)
+    assert any("optpass.pad_batch(x, y, multiple=m)" in note for note in getattr(failed.value, "__notes__", ()))
+
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(7)
+    step(*optpass.pad_batch(x, y, multiple=MULTIPLE))
+    torch.manual_seed(7)
+    for p, old in zip(model.parameters(), before):
+        torch.testing.assert_close(p, old - LR * NOISE * C * torch.randn_like(p) / EXPECTED, rtol=1e-6, atol=1e-7)
+
+    torch._dynamo.reset()
+    wrong = torch.compile(make_token_step(nn.Sequential(nn.Linear(IN + 1, VOCAB)), torch.optim.SGD(
+        model.parameters(), lr=LR)), backend="optpass", options={"lower": "eager"})
+    with pytest.raises(RuntimeError) as failed:                    # [3, IN] into Linear(IN + 1, ...)
+        wrong(torch.randn(3, IN), torch.zeros(3, dtype=torch.long))
+    assert not any("pad_batch" in note for note in getattr(failed.value, "__notes__", ()))
