@@ -22,10 +22,11 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
 from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
-from optpass.legality import (check_fsdp, check_grad_scaler, check_hyperparameter_writes, check_master_weights,
-                              check_optimizer_in_backward, check_zero1, ends_at_optimizer_step)
+from optpass.legality import (check_every_update_is_handled, check_fsdp, check_grad_scaler,
+                              check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
+                              check_zero1, ends_at_optimizer_step)
 from optpass.optim.elementwise import non_elementwise_ops
-from optpass.options import Options
+from optpass.options import Options, optimizers_of
 from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
 from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.report import GraphReport, record
@@ -108,6 +109,9 @@ def _compile(gm, example_inputs, options, mode):
     warn_if_update_recompiles(captured)
     # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.
     check_fully_sharded(captured, options)
+    # An optimizer's step() over parameters that no optimizer in options holds: refused under
+    # data_parallel (it would update this rank's shard as if it were the parameter), else warned.
+    check_every_update_is_handled(captured, options)
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
     # A training step on one of several ranks, not data-parallel: say so (ranks that wait for it fail).
     _warn_undistributed(captured, options)
@@ -214,16 +218,18 @@ def _agree_on_the_fsdp_step(captured, options) -> None:
     if optimizer in _FSDP_AGREED:
         return
     group = optimizer_group(optimizer)
-    found = non_elementwise_ops(optimizer, options.master_weights)
+    found_by_member = [(type(member).__name__, non_elementwise_ops(member, options.master_weights))
+                       for member in optimizers_of(optimizer)]
     names = {id(p.tensor): p.name for p in captured.params if p.tensor is not None}
     agree(group, "fsdp", signature(optimizer, "", 0, names, options.master_weights) + options.across_ranks()
-          + [("non-elementwise ops of the update", found)])
+          + [("non-elementwise ops of the update", found_by_member)])
+    name, found = next(((n, ops) for n, ops in found_by_member if ops), (None, []))
     if found:
-        name = type(optimizer).__name__
         raise OptpassError(
             f"data_parallel='fsdp': {name}'s update is not elementwise: it computes {', '.join(found[:4])} over a "
             f"whole parameter, and each rank updates only its shard (its rows of each parameter) with {name}. "
-            "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under fsdp.")
+            "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under fsdp (in a list of optimizers, "
+            f"each one), or train the parameters of {name} without data_parallel.")
     _FSDP_AGREED[optimizer] = True
 
 

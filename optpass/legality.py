@@ -44,13 +44,15 @@ import dataclasses
 import inspect
 import operator
 import os
+import traceback
 
 import torch
 import torch.fx
 
 from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, GraphKind, backward_outside_message,
                              is_existing_gradient, readable_source, source_name)
-from optpass.errors import OptpassError, SourceLine, node_user_line, stack_frames
+from optpass.errors import (OptpassError, SourceLine, node_user_line, stack_frames, user_line_from_frames,
+                            warn_at_user_line)
 from optpass.precision.masters import step_outside_message
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
@@ -529,9 +531,10 @@ def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
             f"data_parallel='zero1': parameter(s) {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''} "
             f"get gradients in this step but are not in the optimizer ({len(outside)} in all). zero1 "
             "averages across ranks the gradients its optimizer updates; these would keep this rank's "
-            "gradient in .grad (DDP would average them). Freeze what you do not train "
+            "gradient in .grad (DDP would average them), and an optimizer of their own stepped in the step "
+            "(Muon beside AdamW) would update them from this rank's gradient. Freeze what you do not train "
             "(p.requires_grad_(False): it also saves their backward), or put them in the optimizer "
-            "(another param group for other settings).")
+            "(another param group for other settings; zero1 takes one optimizer).")
 
 
 def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
@@ -549,3 +552,65 @@ def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
         return (is_existing_gradient(node.args[0]) and len(node.args) == 2 and not node.kwargs
                 and getattr(node.args[1], "target", None) in (torch.empty_like, operator.getitem))
     return False
+
+
+_WARNED_UNLISTED: set[tuple[str, int] | None] = set()
+
+
+def check_every_update_is_handled(captured: CapturedGraph, options) -> None:
+    """An optimizer's ``step()`` compiled in the step (an update graph) over parameters that no
+    optimizer of ``options['optimizer']`` holds: optpass neither fuses, shards nor checks that update.
+
+    Under data_parallel the update would run on this rank's shard of each parameter (fsdp; zero1
+    refuses such parameters at the step graph): an update that reads a whole parameter (Muon's
+    Newton-Schulz on this rank's rows) computes something else, silently. Refused, with the fix.
+    On one device it runs after backward as written: warned once per line, with the fix."""
+    if captured.kind is not GraphKind.UPDATE or options.optimizer is None:
+        return
+    held = {id(p) for group in options.optimizer.param_groups for p in group["params"]}
+    by_name = captured.param_by_name
+    stepped = [name for name in captured.gradient_inputs
+               if name in by_name and id(by_name[name].tensor) not in held]
+    if not stepped:
+        return
+    where = _optimizer_step_line(captured)
+    at = f" at {where}" if where is not None else ""
+    names = f"{', '.join(stepped[:3])}{' ...' if len(stepped) > 3 else ''}"
+    listed = repr(options.optimizer) if hasattr(options.optimizer, "optimizers") else type(options.optimizer).__name__
+    if options.data_parallel is not None:
+        raise OptpassError(
+            f"data_parallel={options.data_parallel!r}: an optimizer that is not in options['optimizer'] "
+            f"({listed}) steps parameter(s) {names}{at}. optpass neither shards nor checks its update, which "
+            "would run on this rank's shard of each parameter: an update that reads a whole parameter (Muon's "
+            "Newton-Schulz, Adafactor's factored moments) computes something else there. Put it in the list, "
+            "options={'optimizer': [opt, other_opt], ...}: an elementwise optimizer (SGD, AdamW, ...) is then "
+            "sharded, one that is not is refused with the reason. To train those parameters with Muon, train "
+            "without data_parallel.")
+    key = (where.file, where.line) if where is not None else None
+    if key in _WARNED_UNLISTED:
+        return
+    _WARNED_UNLISTED.add(key)
+    warn_at_user_line(
+        f"optpass: an optimizer that is not in options['optimizer'] ({listed}) steps parameter(s) {names}{at}: "
+        "optpass does not handle its update, which runs after backward as written (their gradients stay "
+        "alive until then, and no option of optpass applies to it). Put it in the list: "
+        "options={'optimizer': [opt, other_opt], ...} (each parameter in one of them).", UserWarning, where)
+
+
+def _optimizer_step_line(captured: CapturedGraph) -> SourceLine | None:
+    """The user's line that called the optimizer's step() an update graph comes from: the innermost
+    user frame of the graph that calls ``.step(`` (the step's own line, not a line inside a
+    user-defined optimizer), else the innermost user frame calling this compile."""
+    for node in captured.gm.graph.nodes:
+        frames = stack_frames(node.meta.get("stack_trace"))
+        calls = [f for f in frames if ".step(" in f.code and _is_user_frame(f)]
+        if calls:
+            return calls[-1]
+    # the step graph-broke before step(): Dynamo compiles the optimizer's step as a frame of its own,
+    # called from the user's line, which is on the stack while it compiles
+    return user_line_from_frames(traceback.extract_stack())
+
+
+def _is_user_frame(frame: SourceLine) -> bool:
+    return user_line_from_frames([traceback.FrameSummary(frame.file, frame.line, frame.function,
+                                                         line=frame.code)]) is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -63,8 +64,10 @@ OPTIONS: tuple[Option, ...] = (
            "names of passes not to run"),
     Option("warn_on_graph_break", (bool,), True,
            "warn once, with the line and the fix, when backward() runs outside the compiled step"),
-    Option("optimizer", (type(None), "optimizer"), None,
-           "the torch.optim optimizer the step uses (needed by optimizer_in_backward)"),
+    Option("optimizer", (type(None), "optimizer", list, tuple), None,
+           "the torch.optim optimizer the step uses (needed by optimizer_in_backward), or a list of them "
+           "when the step steps several (Muon for the hidden matrices, AdamW for the rest): each parameter "
+           "in one of them"),
     Option("optimizer_in_backward", (bool,), False,
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
     Option("master_weights", (type(None), "dtype"), None,
@@ -119,6 +122,112 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
+class OptimizerList:
+    """Several torch.optim optimizers of one step (``options={"optimizer": [muon, adamw]}``), seen as
+    one where optpass reads an optimizer: ``param_groups`` are the members' groups in order (the
+    same dicts: a scheduler's lr is seen), ``state[p]`` is the state of ``p`` in the member that
+    holds it. Each member's update is harvested from that member (``optim/harvest.py``); a feature
+    that builds an optimizer of the user's class (zero1, master_weights) refuses a list.
+
+    ``OptimizerList.of`` gives the same object for the same members, so what optpass keeps per
+    optimizer (the ranks' agreement, a grad norm) is kept once per list."""
+
+    # members' ids -> the list, while something (a compiled step's options) holds it
+    _MADE: "weakref.WeakValueDictionary[tuple[int, ...], OptimizerList]" = weakref.WeakValueDictionary()
+
+    def __init__(self, optimizers: tuple):
+        self.optimizers = optimizers
+        self.state = _StateOfSeveral(optimizers)
+
+    @staticmethod
+    def of(optimizers) -> "OptimizerList | torch.optim.Optimizer":
+        """The members, checked (optimizers, each parameter in one); one member: that optimizer."""
+        optimizers = tuple(optimizers)
+        if not optimizers:
+            raise OptpassError("optpass option 'optimizer' is an empty list: pass the optimizer the step "
+                               "uses, or a list of the optimizers it steps.")
+        for index, member in enumerate(optimizers):
+            if not isinstance(member, torch.optim.Optimizer):
+                raise OptpassError(
+                    f"optpass option 'optimizer': element {index} of the list is a {type(member).__name__}, not "
+                    "a torch.optim.Optimizer. Pass the optimizers the step steps: "
+                    "options={'optimizer': [muon, adamw], ...}.")
+        holder: dict[int, int] = {}
+        for index, member in enumerate(optimizers):
+            for group in member.param_groups:
+                for p in group["params"]:
+                    first = holder.setdefault(id(p), index)
+                    if first != index:
+                        raise OptpassError(
+                            f"optpass option 'optimizer': a parameter of shape {list(p.shape)} is in "
+                            f"optimizer {first} ({type(optimizers[first]).__name__}) and in optimizer {index} "
+                            f"({type(member).__name__}) of the list: both would update it. Give each "
+                            "parameter to one optimizer (modded-nanogpt: the 2-D hidden matrices to Muon, "
+                            "every other parameter to AdamW).")
+        if len(optimizers) == 1:
+            return optimizers[0]
+        key = tuple(id(o) for o in optimizers)
+        made = OptimizerList._MADE.get(key)
+        if made is None:
+            made = OptimizerList._MADE[key] = OptimizerList(optimizers)
+        return made
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for member in self.optimizers for group in member.param_groups]
+
+    @property
+    def defaults(self) -> dict:
+        return {k: v for member in self.optimizers for k, v in member.defaults.items()}
+
+    def member_of_group(self, group: int) -> tuple[torch.optim.Optimizer, int]:
+        """The member that holds param group `group` (an index into ``param_groups``), and the
+        group's index in that member."""
+        for member in self.optimizers:
+            if group < len(member.param_groups):
+                return member, group
+            group -= len(member.param_groups)
+        raise IndexError(group)
+
+    def __repr__(self) -> str:
+        return f"[{', '.join(type(o).__name__ for o in self.optimizers)}]"
+
+
+class _StateOfSeveral:
+    """``OptimizerList.state``: the state of each parameter in the member that holds it."""
+
+    def __init__(self, optimizers: tuple):
+        self.optimizers = optimizers
+
+    def _member(self, p):
+        return next((o for o in self.optimizers for g in o.param_groups for q in g["params"] if q is p), None)
+
+    def __contains__(self, p) -> bool:
+        return any(p in o.state for o in self.optimizers)
+
+    def __getitem__(self, p) -> dict:
+        member = self._member(p)
+        if member is None:
+            raise KeyError(p)
+        return member.state[p]
+
+    def get(self, p, default=None):
+        return next((o.state[p] for o in self.optimizers if p in o.state), default)
+
+    def pop(self, p, default=None):
+        return next((o.state.pop(p) for o in self.optimizers if p in o.state), default)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self.optimizers)
+
+
+def optimizers_of(optimizer) -> tuple:
+    """The torch.optim optimizers option 'optimizer' names: () for None, the members of a list."""
+    if optimizer is None:
+        return ()
+    return optimizer.optimizers if isinstance(optimizer, OptimizerList) else (optimizer,)
+
+
 def _default(name: str) -> Any:
     return _BY_NAME[name].default
 
@@ -162,7 +271,9 @@ class Options:
                 raise OptpassError(f"unknown optpass option {key!r}{did_you_mean(key, _BY_NAME)} The options "
                                    f"are: {', '.join(_BY_NAME)} (what each does: optpass.options.options_help()).")
             _check_type(option, value)
-            if isinstance(value, list):
+            if key == "optimizer" and isinstance(value, (list, tuple)):
+                value = OptimizerList.of(value)
+            elif isinstance(value, list):
                 value = tuple(value)
             if key == "grad_scaler" and value is not None and not value.is_enabled():
                 _refuse_scaler_disabled_by_torch(value)
@@ -217,8 +328,9 @@ def _check_combinations(options: Options) -> None:
                            "options={'optimizer': opt, 'optimizer_in_backward': True}")
     fused_update = (options.optimizer_in_backward or options.data_parallel or options.master_weights is not None
                     or options.grad_scaler is not None)
-    if fused_update and _step_needs_a_closure(options.optimizer):
-        name = type(options.optimizer).__name__
+    needs_closure = [o for o in optimizers_of(options.optimizer) if _step_needs_a_closure(o)]
+    if fused_update and needs_closure:
+        name = type(needs_closure[0]).__name__
         raise OptpassError(
             f"{name}.step() needs a closure: it evaluates the loss and runs backward() itself, several times per "
             "step, outside the step's graph, so optpass cannot fuse or guard its update (optimizer_in_backward, "
@@ -232,6 +344,8 @@ def _check_combinations(options: Options) -> None:
         if not _pass_selected(options, "clip_grad_norm_in_backward"):
             raise OptpassError("clip_grad_norm is applied by the pass clip_grad_norm_in_backward; without it the "
                                "step would not clip. Keep the pass, or leave out option 'clip_grad_norm'.")
+    if isinstance(options.optimizer, OptimizerList):
+        _check_several_optimizers(options)
     if options.data_parallel == "fsdp":
         _check_fsdp(options)
     if options.data_parallel == "zero1":
@@ -265,6 +379,23 @@ def _check_combinations(options: Options) -> None:
     if options.accumulation_steps > 1 and not options.optimizer_in_backward:
         raise OptpassError("accumulation_steps is for optimizer_in_backward; without it, accumulate "
                            "as usual (call opt.step() every K micro-steps)")
+
+
+def _check_several_optimizers(options: Options) -> None:
+    """A list of optimizers: what builds an optimizer of the user's class, or keeps per-optimizer
+    windows, takes one optimizer."""
+    unsupported = [feature for feature, asked in (
+        ("data_parallel='zero1'", options.data_parallel == "zero1"),
+        ("master_weights", options.master_weights is not None),
+        ("grad_scaler", options.grad_scaler is not None),
+        ("accumulation_steps > 1", options.accumulation_steps > 1)) if asked]
+    if unsupported:
+        raise OptpassError(
+            f"optpass option 'optimizer' lists {len(options.optimizer.optimizers)} optimizers "
+            f"({options.optimizer!r}); {', '.join(unsupported)} takes one optimizer (it builds one of your "
+            "optimizer's class over its own tensors, or keeps one window). Several optimizers train "
+            "with optimizer_in_backward and with data_parallel='fsdp' (elementwise ones); for "
+            f"{unsupported[0]} use one optimizer (param groups for different settings).")
 
 
 def _check_fsdp(options: Options) -> None:

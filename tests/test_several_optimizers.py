@@ -74,3 +74,152 @@ def test_muon_with_a_float_lr_in_backward_equals_eager_muon():
             assert torch.equal(p, q), (i, rel(p, q))
         for p, q in zip(model.parameters(), eager_model.parameters()):
             assert torch.equal(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
+
+
+# ------------------------------------------------------------------ a list of optimizers (item 4)
+
+def several(model, muon=True):
+    hidden, rest = hidden_and_rest(model)
+    first = (torch.optim.Muon(hidden, lr=0.02, momentum=0.95) if muon
+             else torch.optim.SGD(hidden, lr=0.05, momentum=0.9))
+    return first, torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.usefixtures("float64_default")
+@pytest.mark.parametrize("muon", [True, False], ids=["muon_adamw", "sgd_adamw"])
+def test_a_list_of_optimizers_is_fused_in_backward_and_equals_eager(muon):
+    """modded-nanogpt's step: Muon over the hidden matrix, AdamW over the rest, both stepped in the
+    step. options={'optimizer': [muon, adamw]}: every update runs inside backward (no gradient after
+    the step, no update graph with gradients), each harvested from its own optimizer, and the run
+    equals eager over 5 steps (float64: AdamW's compiled bias corrections round like eager's)."""
+    eager_model = mlp()
+    model = copy.deepcopy(eager_model)
+    eager_opts, opts = several(eager_model, muon), several(model, muon)
+    eager = make_step(eager_model, *eager_opts)
+    step = torch.compile(make_step(model, *opts), backend="optpass",
+                         options={"optimizer": list(opts), "optimizer_in_backward": True, "lower": "eager"})
+    optpass.report.clear_reports()
+    for i in range(5):
+        eager(*batch(i))
+        step(*batch(i))
+        assert all(p.grad is None for p in model.parameters())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert rel(p, q) <= 1e-9, (i, rel(p, q))
+    for opt, eager_opt in zip(opts, eager_opts):
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert (p in opt.state) == (q in eager_opt.state)
+            for key, value in opt.state.get(p, {}).items():
+                assert rel(value, eager_opt.state[q][key]) <= 1e-9, key
+    kinds = [(r.kind, [p.name for p in r.passes if p.status == "applied"]) for r in optpass.recent_reports()]
+    assert ("step", ["optimizer_in_backward"]) in [(k.value, a[:1]) for k, a in kinds]
+    assert all(k.value != "update" for k, _ in kinds)       # opt.step() of either optimizer does nothing
+
+
+
+
+@pytest.mark.usefixtures("float64_default")
+def test_a_list_of_optimizers_with_the_clip_grad_norm_option_equals_eager_clipping():
+    """clip_grad_norm over the parameters of every listed optimizer: the global norm of all of them,
+    as clip_grad_norm_(model.parameters()) in the eager step."""
+    eager_model = mlp()
+    model = copy.deepcopy(eager_model)
+    eager_opts, opts = several(eager_model, muon=False), several(model, muon=False)
+    first, second = eager_opts
+
+    def eager(x, y):
+        loss = F.mse_loss(eager_model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(eager_model.parameters(), 0.1)
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+
+    step = torch.compile(make_step(model, *opts), backend="optpass", options={
+        "optimizer": list(opts), "optimizer_in_backward": True, "clip_grad_norm": 0.1, "lower": "eager"})
+    for i in range(4):
+        eager(*batch(i))
+        step(*batch(i))
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert rel(p, q) <= 1e-12
+
+def test_an_optimizer_stepped_in_the_step_but_not_in_options_is_warned_with_its_line():
+    """AdamW in options, Muon stepped beside it: optpass fuses AdamW's update and leaves Muon's
+    after backward as written (the result equals eager), and says so once, with the line and the fix."""
+    eager_model = mlp()
+    model = copy.deepcopy(eager_model)
+    eager_opts, opts = several(eager_model), several(model)
+    eager = make_step(eager_model, *eager_opts)
+    step = torch.compile(make_step(model, *opts), backend="optpass",
+                         options={"optimizer": opts[1], "optimizer_in_backward": True, "lower": "eager"})
+    with pytest.warns(UserWarning) as caught:
+        for i in range(3):
+            eager(*batch(i))
+            step(*batch(i))
+    messages = [str(w.message) for w in caught if "not in options['optimizer']" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "(AdamW) steps parameter(s) 2.weight at" in messages[0]
+    assert "first.step()" in messages[0] and "Put it in the list" in messages[0]
+    assert caught[[str(w.message) for w in caught].index(messages[0])].filename == __file__
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert rel(p, q) <= 1e-5
+
+
+@pytest.mark.parametrize("optimizers, message", [
+    ("two_sharing", r"a parameter of shape \[32, 32\] is in optimizer 0 \(Muon\) and in optimizer 1 \(AdamW\)"),
+    ("not_an_optimizer", r"element 1 of the list is a Parameter, not a torch.optim.Optimizer"),
+    ("empty", r"is an empty list"),
+])
+def test_a_list_that_is_not_one_optimizer_per_parameter_is_an_error(optimizers, message):
+    model = mlp()
+    hidden, _ = hidden_and_rest(model)
+    given = {"two_sharing": lambda: [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(model.parameters())],
+             "not_an_optimizer": lambda: [torch.optim.AdamW(model.parameters()), hidden[0]],
+             "empty": lambda: []}[optimizers]()
+    with pytest.raises(optpass.OptpassError, match=message):
+        optpass.options.Options.from_user({"optimizer": given, "optimizer_in_backward": True})
+
+# ------------------------------------------------------------------ data parallel (items 1 and 4)
+
+PROGRAMS = ["fsdp_muon_beside_adamw", "fsdp_sgd_beside_adamw", "zero1_muon_beside_adamw",
+            "fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward", "fsdp_list_of_muon_and_adamw",
+            "zero1_list_of_sgd_and_adamw"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    import several_optimizers_workers as workers
+    from distributed import run_ranks, values
+
+    return values(run_ranks(2, workers.run_all, PROGRAMS, timeout_s=600, pg_timeout_s=120))
+
+
+def _errors(results, name):
+    found = [r[name].get("error") for r in results]
+    assert all(found), [r[name] for r in results]
+    return [(kind, message) for kind, message, _ in found]
+
+
+@pytest.mark.parametrize("name, message", [
+    # Muon's Newton-Schulz ran on each rank's rows: parameters 10-20% from one process after 4-5 steps
+    ("fsdp_muon_beside_adamw", r"data_parallel='fsdp': an optimizer that is not in options\['optimizer'\] \(AdamW\) "
+                               r"steps parameter\(s\) 2\.weight at .*several_optimizers_workers\.py:\d+ in train_step: "
+                               r"first\.step\(\).*Put it in the list"),
+    ("fsdp_sgd_beside_adamw", r"an optimizer that is not in options\['optimizer'\].*Put it in the list"),
+    ("zero1_muon_beside_adamw", r"data_parallel='zero1': parameter\(s\) .*2\.weight get gradients in this step "
+                                r"but are not in the optimizer.*Muon beside AdamW"),
+    ("fsdp_list_of_muon_and_adamw", r"data_parallel='fsdp': Muon's update is not elementwise: it computes .*mm"),
+    ("zero1_list_of_sgd_and_adamw", r"lists 2 optimizers \(\[SGD, AdamW\]\); data_parallel='zero1' takes one"),
+])
+def test_an_optimizer_optpass_does_not_shard_is_refused_on_every_rank(two_ranks, name, message):
+    import re
+
+    for kind, text in _errors(two_ranks, name):
+        assert kind == "OptpassError" and re.search(message, text, re.S), text
+
+
+@pytest.mark.parametrize("name", ["fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward"])
+def test_a_list_of_elementwise_optimizers_under_fsdp_trains_as_one_process(two_ranks, name):
+    for result in two_ranks:
+        assert "error" not in result[name], result[name]["error"][2]
+        assert result[name]["vs_one_process"] <= 1e-9, result[name]

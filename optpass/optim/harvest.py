@@ -48,6 +48,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from optpass.errors import OptpassError
 from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
+from optpass.options import OptimizerList
 
 
 
@@ -321,7 +322,10 @@ def _take_created_state(optimizer, names: dict[str, torch.Tensor], entry: _Recor
 def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
     """The update of the parameters in `names` (name -> parameter), as a sliced aten graph.
 
-    Works before the first step too: see the module docstring (state torch.optim creates)."""
+    Works before the first step too: see the module docstring (state torch.optim creates). Of an
+    ``OptimizerList`` (several optimizers): each member's update, harvested from that member."""
+    if isinstance(optimizer, OptimizerList):
+        return _harvest_each_member(optimizer, names)
     params = list(names.values())
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     updates: dict[str, ParameterUpdate] = {}
@@ -349,6 +353,29 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     if missing:
         raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
                            "the optimizer's step (is it in this optimizer's param_groups?).")
+    return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
+
+
+def _harvest_each_member(several: OptimizerList, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
+    """Each member's update of its parameters in `names`, its param groups numbered as in
+    ``several.param_groups`` (the members' groups in order), so that each lr input is its group's."""
+    graphs, updates, created, first_group = [], {}, {}, 0
+    for member in several.optimizers:
+        held = {id(p) for group in member.param_groups for p in group["params"]}
+        mine = {name: p for name, p in names.items() if id(p) in held}
+        if mine:
+            harvested = harvest_update(member, mine)
+            for update in harvested.updates.values():
+                update.group += first_group
+                update.lr = {node: group + first_group for node, group in update.lr.items()}
+            graphs += harvested.graphs
+            updates.update(harvested.updates)
+            created.update(harvested.created)
+        first_group += len(member.param_groups)
+    missing = [name for name in names if name not in updates]
+    if missing:
+        raise OptpassError(f"optimizer_in_backward: parameter {missing[0]!r} is in none of the optimizers "
+                           f"of options['optimizer'] ({several!r}).")
     return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
 
 
