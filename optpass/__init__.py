@@ -7,7 +7,8 @@ See README.md for the supported step shape, the options and the passes.
 """
 
 from optpass.backend import optpass_backend
-from optpass.capture import BackwardOutsideGraphWarning, GraphKind, RecompilingUpdateWarning, RecurrentLayerFallbackWarning
+from optpass.capture import (BackwardOutsideGraphWarning, GraphKind, OptimizerStepInLoopWarning,
+                             RecompilingUpdateWarning, RecurrentLayerFallbackWarning)
 from optpass.errors import OptpassError
 from optpass.explain import Explanation, explain
 from optpass.options import options_help
@@ -41,7 +42,7 @@ def __getattr__(name):
 __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
-    "RecurrentLayerFallbackWarning",
+    "RecurrentLayerFallbackWarning", "OptimizerStepInLoopWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
     "master_weights", "skipped_steps", "grad_norm", "fully_shard", "full_state_dict", "load_full_state_dict",

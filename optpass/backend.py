@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              module_buffers, warn_backward_outside, warn_if_update_recompiles,
-                             warn_recurrent_fallback)
+                             warn_optimizer_step_in_loop, warn_recurrent_fallback)
 from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
@@ -105,6 +105,8 @@ def _compile(gm, example_inputs, options, mode):
     # An nn.LSTM inside vmap(grad): Dynamo skipped the DP step around it, which ran eagerly: say so, with the fix.
     if captured.skipped_recurrent is not None and options.warn_on_graph_break:
         warn_recurrent_fallback(captured)
+    # opt.step() in a for loop: Dynamo ran the whole step uncompiled: say so (refuse under data_parallel).
+    warn_optimizer_step_in_loop(captured, options)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
     # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.

@@ -24,12 +24,16 @@ the update graph's gradients are linked to the step graph's outputs.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
+import inspect
+import linecache
 import logging
 import os
 import re
 import sys
+import textwrap
 import traceback
 import warnings
 from typing import Any
@@ -614,6 +618,82 @@ def warn_recurrent_fallback(captured: CapturedGraph) -> None:
         f"opacus.layers.{layer} (the same arguments and state_dict, made of nn.Linear layers), which "
         "compiles and is rewritten; torch._dynamo.config.allow_rnn=True does not trace it under vmap(grad).",
         RecurrentLayerFallbackWarning)
+
+
+class OptimizerStepInLoopWarning(BackwardOutsideGraphWarning):
+    """``for opt in optimizers: opt.step()`` in the compiled step: torch.optim's step() breaks the
+    graph, Dynamo cannot resume a graph inside a loop, and it runs the whole step uncompiled
+    (forward and backward from eager autograd); only each step() is compiled, as a graph of its own.
+
+    Warned once per loop, at the loop's line, with the fix (each optimizer stepped on its own
+    line, the optimizers listed in options); a ``BackwardOutsideGraphWarning``. Under
+    data_parallel it is an error: each rank's update would read its own gradients.
+    """
+
+
+_WARNED_LOOPS: set[tuple[str, int]] = set()
+
+
+def warn_optimizer_step_in_loop(captured: CapturedGraph, options) -> None:
+    """An update graph compiled while the user's step that called it runs uncompiled, from a
+    for/while loop around that ``.step(`` call: say so (see ``OptimizerStepInLoopWarning``)."""
+    if captured.kind is not GraphKind.UPDATE:
+        return
+    found = _uncompiled_loop_calling_step()
+    if found is None:
+        return
+    loop, call = found
+    message = (
+        f"optpass: the compiled step calls an optimizer's step() inside a loop, at {call} (the loop: "
+        f"`{loop.code.strip()}`, line {loop.line}). torch.optim's step() breaks the graph, and Dynamo cannot resume a graph "
+        "inside a for/while loop: it runs the whole step function uncompiled (forward and backward from "
+        "eager autograd, outside anything optpass can see or rewrite) and compiles only each step(). Fix: "
+        "step each optimizer on its own line (`opt_a.step()`, `opt_b.step()`, then the zero_grad() calls) "
+        "and list them in options: options={'optimizer': [opt_a, opt_b], ...} (each parameter in one).")
+    if options.data_parallel is not None:
+        raise OptpassError(
+            f"data_parallel={options.data_parallel!r} refused: {message.removeprefix('optpass: ')} Under "
+            "data_parallel each rank's update would read its own gradients (no averaging): the ranks "
+            "would drift apart.")
+    key = (loop.file, loop.line)
+    if key in _WARNED_LOOPS or not options.warn_on_graph_break:
+        return
+    _WARNED_LOOPS.add(key)
+    warn_at_user_line(message, OptimizerStepInLoopWarning, loop)
+
+
+def _uncompiled_loop_calling_step() -> tuple[SourceLine, SourceLine] | None:
+    """The innermost user frame on the stack (the code that called the optimizer's step()), if its
+    line calls ``.step(``, Dynamo holds no compiled code for it (it runs uncompiled) and that line
+    is inside a for/while loop of its function: (the loop's line, the call's line)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, frame.f_lineno)
+        summary = traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name, line=line)
+        if user_line_from_frames([summary]) is not None:
+            break
+        frame = frame.f_back
+    if frame is None or ".step(" not in line or torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code):
+        return None
+    loop = _enclosing_loop(code, frame.f_lineno)
+    if loop is None:
+        return None
+    return (SourceLine(code.co_filename, loop, code.co_name, linecache.getline(code.co_filename, loop)),
+            SourceLine(code.co_filename, frame.f_lineno, code.co_name, line))
+
+
+def _enclosing_loop(code, line: int) -> int | None:
+    """The line of the innermost for/while loop of `code`'s function whose body holds `line`."""
+    try:
+        source = textwrap.dedent(inspect.getsource(code))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    offset = code.co_firstlineno - 1
+    loops = [node for node in ast.walk(tree) if isinstance(node, (ast.For, ast.AsyncFor, ast.While))
+             and node.body[0].lineno + offset <= line <= node.end_lineno + offset]
+    return max(node.lineno for node in loops) + offset if loops else None
 
 
 SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_grad(); return out")

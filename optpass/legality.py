@@ -53,6 +53,7 @@ from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, Gr
                              is_existing_gradient, readable_source, source_name)
 from optpass.errors import (OptpassError, SourceLine, node_user_line, stack_frames, user_line_from_frames,
                             warn_at_user_line)
+from optpass.options import optimizers_of
 from optpass.precision.masters import step_outside_message
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
@@ -219,7 +220,10 @@ def _refuse_unseen_gradient_transforms(captured: CapturedGraph, feature: str, op
     whatever it does to the gradients (GradScaler's unscale_, a custom transform) from the proof."""
     if captured.split_reason is None or captured.split_reason.startswith(OPTIMIZER_SPLIT):
         return
-    inline = _optimizer_step_traced_inline(captured, optimizer) if optimizer is not None else None
+    # a list of optimizers (options.OptimizerList): the first member whose step() was traced inline
+    inline, optimizer = next(((line, member) for member in optimizers_of(optimizer)
+                              if (line := _optimizer_step_traced_inline(captured, member)) is not None),
+                             (None, optimizer))
     if inline is not None:
         cls = type(optimizer).__name__
         raise OptpassError(
@@ -534,7 +538,8 @@ def _refuse_gradients_outside_the_optimizer(captured, options) -> None:
             "gradient in .grad (DDP would average them), and an optimizer of their own stepped in the step "
             "(Muon beside AdamW) would update them from this rank's gradient. Freeze what you do not train "
             "(p.requires_grad_(False): it also saves their backward), or put them in the optimizer "
-            "(another param group for other settings; zero1 takes one optimizer).")
+            "(another param group for other settings), or list their optimizer: options={'optimizer': "
+            "[opt, other_opt], ...} (each one elementwise: zero1 shards the state of each).")
 
 
 def _is_gradient_plumbing(node: torch.fx.Node) -> bool:

@@ -126,8 +126,9 @@ class OptimizerList:
     """Several torch.optim optimizers of one step (``options={"optimizer": [muon, adamw]}``), seen as
     one where optpass reads an optimizer: ``param_groups`` are the members' groups in order (the
     same dicts: a scheduler's lr is seen), ``state[p]`` is the state of ``p`` in the member that
-    holds it. Each member's update is harvested from that member (``optim/harvest.py``); a feature
-    that builds an optimizer of the user's class (zero1, master_weights) refuses a list.
+    holds it. Each member's update is harvested from that member (``optim/harvest.py``); zero1
+    builds one shard optimizer per member (of its class, over its buckets), master_weights refuses
+    a list.
 
     ``OptimizerList.of`` gives the same object for the same members, so what optpass keeps per
     optimizer (the ranks' agreement, a grad norm) is kept once per list."""
@@ -216,6 +217,15 @@ class _StateOfSeveral:
 
     def pop(self, p, default=None):
         return next((o.state.pop(p) for o in self.optimizers if p in o.state), default)
+
+    def __setitem__(self, p, values: dict) -> None:
+        member = self._member(p)
+        if member is None:
+            raise KeyError(p)
+        member.state[p] = values
+
+    def values(self):
+        return [values for o in self.optimizers for values in o.state.values()]
 
     def __len__(self) -> int:
         return sum(len(o.state) for o in self.optimizers)
@@ -382,10 +392,9 @@ def _check_combinations(options: Options) -> None:
 
 
 def _check_several_optimizers(options: Options) -> None:
-    """A list of optimizers: what builds an optimizer of the user's class, or keeps per-optimizer
-    windows, takes one optimizer."""
+    """A list of optimizers: what builds an optimizer of the user's class over its own tensors (fp32
+    masters), or keeps per-optimizer windows, takes one optimizer. zero1 builds one per member."""
     unsupported = [feature for feature, asked in (
-        ("data_parallel='zero1'", options.data_parallel == "zero1"),
         ("master_weights", options.master_weights is not None),
         ("grad_scaler", options.grad_scaler is not None),
         ("accumulation_steps > 1", options.accumulation_steps > 1)) if asked]
@@ -394,7 +403,7 @@ def _check_several_optimizers(options: Options) -> None:
             f"optpass option 'optimizer' lists {len(options.optimizer.optimizers)} optimizers "
             f"({options.optimizer!r}); {', '.join(unsupported)} takes one optimizer (it builds one of your "
             "optimizer's class over its own tensors, or keeps one window). Several optimizers train "
-            "with optimizer_in_backward and with data_parallel='fsdp' (elementwise ones); for "
+            "with optimizer_in_backward and with data_parallel='fsdp' or 'zero1' (elementwise ones); for "
             f"{unsupported[0]} use one optimizer (param groups for different settings).")
 
 

@@ -56,7 +56,7 @@ def step_of(model, first, second):
     return train_step
 
 
-def _train(rank, world, first: str, data_parallel: str, listed: bool, **options):
+def _train(rank, world, first: str, data_parallel: str, listed: bool, keep: bool = False, **options):
     model = mlp()
     reference = copy.deepcopy(model)
     if data_parallel == "fsdp":
@@ -71,7 +71,11 @@ def _train(rank, world, first: str, data_parallel: str, listed: bool, **options)
         step(mine(x, rank, world), mine(y, rank, world))
         reference_step(x, y)
     full = optpass.full_state_dict(model) if data_parallel == "fsdp" else model.state_dict()
-    return {"vs_one_process": worst(full, reference)}
+    result = {"vs_one_process": worst(full, reference)}
+    if keep:
+        result.update(opts=opts, reference_state=_state_elements(
+            state for opt in ref_opts for state in opt.state.values()))
+    return result
 
 
 def fsdp_muon_beside_adamw(rank, world):
@@ -101,4 +105,70 @@ def fsdp_list_of_muon_and_adamw(rank, world):
 
 
 def zero1_list_of_sgd_and_adamw(rank, world):
-    return _train(rank, world, "sgd", "zero1", listed=True)
+    """Each listed optimizer's state sharded over the ranks: this rank's per-element state, by the
+    class of the shard optimizer that holds it (summed over the ranks: one process's state)."""
+    result = _train(rank, world, "sgd", "zero1", listed=True, keep=True)
+    opts = result.pop("opts")
+    sharded = optpass.zero1.sharded_state(list(opts))
+    result["state_elements"] = {type(member).__name__: _state_elements(member.state.values())
+                                for member in sharded.shard_optimizer.optimizers}
+    result["unsharded_state"] = sum(len(opt.state) for opt in opts)     # the users' optimizers hold none
+    return result
+
+
+def zero1_list_of_sgd_and_adamw_in_backward(rank, world):
+    return _train(rank, world, "sgd", "zero1", listed=True, optimizer_in_backward=True)
+
+
+def zero1_list_of_muon_and_adamw(rank, world):
+    return _train(rank, world, "muon", "zero1", listed=True)
+
+
+def zero1_list_with_clip_grad_norm(rank, world):
+    """options clip_grad_norm with a list under zero1: the parameters equal one process that calls
+    clip_grad_norm_ over all of them, and optpass.grad_norm of either optimizer is what it returned."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    opts, ref_opts = two_optimizers(model, "sgd"), two_optimizers(reference, "sgd")
+    step = torch.compile(step_of(model, *opts), backend="optpass", options={
+        "optimizer": list(opts), "data_parallel": "zero1", "clip_grad_norm": 0.05, "lower": "eager"})
+
+    def reference_step(x, y):
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        return norm
+
+    norms = []
+    for i in range(STEPS):
+        x, y = batch(i, world)
+        step(mine(x, rank, world), mine(y, rank, world))
+        expected = reference_step(x, y)
+        norms.append((expected.item(), optpass.grad_norm(opts[0]).item(), optpass.grad_norm(opts[1]).item()))
+    return {"vs_one_process": worst(model.state_dict(), reference), "norms": norms}
+
+
+def zero1_list_stepped_in_a_loop(rank, world):
+    """modded-nanogpt's `for opt in optimizers: opt.step()`: Dynamo runs the step uncompiled, and each
+    compiled step() would update with this rank's gradients: refused on every rank."""
+    model = mlp()
+    opts = two_optimizers(model, "sgd")
+
+    def train_step(x, y):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    step = torch.compile(train_step, backend="optpass", options={
+        "optimizer": list(opts), "data_parallel": "zero1", "lower": "eager"})
+    x, y = batch(0, world)
+    step(mine(x, rank, world), mine(y, rank, world))
+    return {}
+
+
+def _state_elements(states) -> int:
+    return sum(value.numel() for state in states for value in state.values()
+               if isinstance(value, torch.Tensor) and value.dim() > 0)

@@ -2,6 +2,7 @@
 and Muon's update through optpass against eager torch.optim."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def test_a_list_of_optimizers_is_fused_in_backward_and_equals_eager(muon):
 @pytest.mark.usefixtures("float64_default")
 def test_a_list_of_optimizers_with_the_clip_grad_norm_option_equals_eager_clipping():
     """clip_grad_norm over the parameters of every listed optimizer: the global norm of all of them,
-    as clip_grad_norm_(model.parameters()) in the eager step."""
+    as clip_grad_norm_(model.parameters()) in the eager step; optpass.grad_norm of either optimizer
+    (or of the list) is that step's norm, what clip_grad_norm_ returns."""
     eager_model = mlp()
     model = copy.deepcopy(eager_model)
     eager_opts, opts = several(eager_model, muon=False), several(model, muon=False)
@@ -129,17 +131,21 @@ def test_a_list_of_optimizers_with_the_clip_grad_norm_option_equals_eager_clippi
     def eager(x, y):
         loss = F.mse_loss(eager_model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(eager_model.parameters(), 0.1)
+        norm = torch.nn.utils.clip_grad_norm_(eager_model.parameters(), 0.1)
         first.step()
         second.step()
         first.zero_grad()
         second.zero_grad()
+        return norm
 
     step = torch.compile(make_step(model, *opts), backend="optpass", options={
         "optimizer": list(opts), "optimizer_in_backward": True, "clip_grad_norm": 0.1, "lower": "eager"})
     for i in range(4):
-        eager(*batch(i))
+        eager_norm = eager(*batch(i))
         step(*batch(i))
+        assert eager_norm > 0.1                    # every step clips
+        for norm in (optpass.grad_norm(opts[0]), optpass.grad_norm(opts[1]), optpass.grad_norm(list(opts))):
+            assert rel(norm, eager_norm) <= 1e-12, (i, norm, eager_norm)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert rel(p, q) <= 1e-12
 
@@ -165,6 +171,64 @@ def test_an_optimizer_stepped_in_the_step_but_not_in_options_is_warned_with_its_
         assert rel(p, q) <= 1e-5
 
 
+def _stepped_in_a_loop(model, optimizers):
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        for opt in optimizers:            # the loop the warning names
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
+        return out
+    return train_step
+
+
+LOOP_LINE = _stepped_in_a_loop.__code__.co_firstlineno + 5
+
+
+@pytest.mark.usefixtures("float64_default")
+@pytest.mark.parametrize("options", [{}, {"optimizer_in_backward": True}], ids=["plain", "in_backward"])
+def test_optimizers_stepped_in_a_loop_are_warned_at_the_loop_with_the_fix(options, monkeypatch):
+    """modded-nanogpt's `for opt in optimizers: opt.step()`: torch.optim's step() breaks the graph inside
+    the loop, and Dynamo runs the whole step uncompiled (backward from eager autograd, nothing fused).
+    Warned once, at the loop's line, as a BackwardOutsideGraphWarning; the run equals eager (it is)."""
+    monkeypatch.setattr(optpass.capture, "_WARNED_LOOPS", set())     # once per loop and process
+    eager_model = mlp()
+    model = copy.deepcopy(eager_model)
+    eager_opts, opts = several(eager_model, muon=False), several(model, muon=False)
+    eager = _stepped_in_a_loop(eager_model, eager_opts)
+    given = {"optimizer": list(opts), **options} if options else {}
+    step = torch.compile(_stepped_in_a_loop(model, opts), backend="optpass", options={**given, "lower": "eager"})
+    with pytest.warns(UserWarning) as caught:
+        for i in range(3):
+            eager(*batch(i))
+            step(*batch(i))
+    found = [w for w in caught if issubclass(w.category, optpass.OptimizerStepInLoopWarning)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert issubclass(found[0].category, optpass.BackwardOutsideGraphWarning)
+    assert (found[0].filename, found[0].lineno) == (__file__, LOOP_LINE)
+    message = str(found[0].message)
+    assert "inside a loop, at" in message and "opt.step()" in message and "(the loop: `for opt in optimizers:" in message
+    assert "step each optimizer on its own line" in message and "options={'optimizer': [opt_a, opt_b]" in message
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert rel(p, q) <= 1e-12
+
+
+def test_optimizers_stepped_on_their_own_lines_are_not_warned_of_a_loop():
+    """The fix: each step() on its own line (the training loop around the compiled step is no loop
+    of the step's)."""
+    model = mlp()
+    opts = several(model, muon=False)
+    step = torch.compile(make_step(model, *opts), backend="optpass", options={"lower": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(*batch(i))
+    assert not [w for w in caught if issubclass(w.category, optpass.BackwardOutsideGraphWarning)], \
+        [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("optimizers, message", [
     ("two_sharing", r"a parameter of shape \[32, 32\] is in optimizer 0 \(Muon\) and in optimizer 1 \(AdamW\)"),
     ("not_an_optimizer", r"element 1 of the list is a Parameter, not a torch.optim.Optimizer"),
@@ -183,7 +247,8 @@ def test_a_list_that_is_not_one_optimizer_per_parameter_is_an_error(optimizers, 
 
 PROGRAMS = ["fsdp_muon_beside_adamw", "fsdp_sgd_beside_adamw", "zero1_muon_beside_adamw",
             "fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward", "fsdp_list_of_muon_and_adamw",
-            "zero1_list_of_sgd_and_adamw"]
+            "zero1_list_of_sgd_and_adamw", "zero1_list_of_sgd_and_adamw_in_backward", "zero1_list_of_muon_and_adamw",
+            "zero1_list_with_clip_grad_norm", "zero1_list_stepped_in_a_loop"]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +274,10 @@ def _errors(results, name):
     ("zero1_muon_beside_adamw", r"data_parallel='zero1': parameter\(s\) .*2\.weight get gradients in this step "
                                 r"but are not in the optimizer.*Muon beside AdamW"),
     ("fsdp_list_of_muon_and_adamw", r"data_parallel='fsdp': Muon's update is not elementwise: it computes .*mm"),
-    ("zero1_list_of_sgd_and_adamw", r"lists 2 optimizers \(\[SGD, AdamW\]\); data_parallel='zero1' takes one"),
+    ("zero1_list_stepped_in_a_loop", r"data_parallel='zero1' refused: the compiled step calls an optimizer's step\(\) "
+                                     r"inside a loop, at .*several_optimizers_workers\.py:\d+ in train_step: opt\.step\(\) "
+                                     r"\(the loop: `for opt in opts:`.*on its own line.*drift apart"),
+    ("zero1_list_of_muon_and_adamw", r"data_parallel='zero1': Muon's update is not elementwise: it computes .*mm"),
 ])
 def test_an_optimizer_optpass_does_not_shard_is_refused_on_every_rank(two_ranks, name, message):
     import re
@@ -218,8 +286,31 @@ def test_an_optimizer_optpass_does_not_shard_is_refused_on_every_rank(two_ranks,
         assert kind == "OptpassError" and re.search(message, text, re.S), text
 
 
-@pytest.mark.parametrize("name", ["fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward"])
-def test_a_list_of_elementwise_optimizers_under_fsdp_trains_as_one_process(two_ranks, name):
+@pytest.mark.parametrize("name", ["fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward",
+                                  "zero1_list_of_sgd_and_adamw", "zero1_list_of_sgd_and_adamw_in_backward"])
+def test_a_list_of_elementwise_optimizers_data_parallel_trains_as_one_process(two_ranks, name):
     for result in two_ranks:
         assert "error" not in result[name], result[name]["error"][2]
         assert result[name]["vs_one_process"] <= 1e-9, result[name]
+
+
+def test_zero1_shards_the_state_of_each_listed_optimizer(two_ranks):
+    """SGD's momentum and AdamW's moments each split over the 2 ranks: every rank holds state of
+    both classes, less than one process's, and the ranks' pieces add up to one process's state."""
+    results = [r["zero1_list_of_sgd_and_adamw"] for r in two_ranks]
+    reference = results[0]["reference_state"]
+    for result in results:
+        assert set(result["state_elements"]) == {"SGD", "AdamW"}, result
+        assert 0 < sum(result["state_elements"].values()) < reference, result
+        assert result["unsharded_state"] == 0
+    assert sum(sum(r["state_elements"].values()) for r in results) == reference
+
+
+def test_zero1_with_a_list_and_clip_grad_norm_gives_each_optimizer_the_global_norm(two_ranks):
+    for result in two_ranks:
+        found = result["zero1_list_with_clip_grad_norm"]
+        assert "error" not in found, found["error"][2]
+        assert found["vs_one_process"] <= 1e-9, found
+        for expected, first, second in found["norms"]:
+            assert expected > 0.05                      # every step clips
+            assert abs(first - expected) <= 1e-12 * expected and first == second, found["norms"]

@@ -129,5 +129,6 @@ def refuse_non_elementwise(optimizer: torch.optim.Optimizer, dtype: torch.dtype 
             f"data_parallel='zero1': {name}'s update is not elementwise: it computes "
             f"{', '.join(found[:4])} over a whole parameter, and ZeRO-1 updates each rank's flat piece "
             f"of a bucket with its own {name} over that piece, which would compute something else. "
-            "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under zero1, or drop "
-            "data_parallel='zero1' (optimizer_in_backward keeps each parameter's update whole).")
+            "Train with an elementwise optimizer (SGD, Adam, AdamW, ...) under zero1 (in a list of "
+            f"optimizers, each one), or drop data_parallel='zero1' (optimizer_in_backward keeps each "
+            f"parameter's update whole; a list with {name} in it trains so on one device).")

@@ -15,6 +15,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
+from optpass.options import OptimizerList, optimizers_of
 
 _LAST: WeakKeyDictionary = WeakKeyDictionary()     # optimizer -> the last clipped step's norm
 
@@ -30,8 +31,9 @@ def out(parameters) -> torch.Tensor:
 
 def record(optimizer, norm: torch.Tensor) -> None:
     """`norm` (written by the step that just ran) is the last clipped step's norm of `optimizer`
-    (of each optimizer, for a list of them: the norm is over all their gradients)."""
-    for each in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+    (of a list of optimizers, ``options.OptimizerList``: of the list and of each member, the norm
+    over all their gradients, as ``clip_grad_norm_(model.parameters())`` returns)."""
+    for each in {optimizer, *optimizers_of(optimizer)}:
         _LAST[each] = norm
 
 
@@ -45,7 +47,8 @@ def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     tensor of its own.
 
     Args:
-        optimizer: the optimizer given as the ``optimizer`` option of the clipped step.
+        optimizer: the optimizer given as the ``optimizer`` option of the clipped step, or any
+            optimizer of the list given there (the norm is over every listed optimizer's gradients).
 
     Returns:
         A 0-d tensor on the parameters' device (fp32, or the parameters' wider dtype).
@@ -59,6 +62,8 @@ def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor:
         loss = step(x, y)
         norm = optpass.grad_norm(opt)          # as ``norm = clip_grad_norm_(...)`` in eager
     """
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = OptimizerList.of(optimizer)
     norm = _LAST.get(optimizer)
     if norm is None:
         raise OptpassError(

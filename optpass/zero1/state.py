@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from optpass.errors import OptpassError
+from optpass.options import OptimizerList, optimizers_of
 from optpass.process_groups import backend_for_device
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
@@ -132,26 +133,25 @@ class ShardedOptimizer:
     def shard_name(self, bucket: Bucket) -> str:
         return f"bucket{bucket.index}"
 
-    def _make_shard_optimizer(self) -> torch.optim.Optimizer:
-        cls = type(self.optimizer)
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+    def _make_shard_optimizer(self) -> torch.optim.Optimizer | OptimizerList:
+        """One optimizer of each user optimizer's class over its shards (a list of optimizers: one
+        per member this rank holds shards of, a bucket never spans two param groups)."""
         # Only groups this rank holds a shard of: torch.optim traces an empty group to no ops, and
         # Dynamo then skips the update function for every group. user_group maps them back.
-        groups, self.user_group = [], []
-        for g, group in enumerate(self.optimizer.param_groups):
-            shard_params = [self.shards[b.index] for b in self.layout.buckets
-                            if b.group == g and b.index in self.shards]
-            if shard_params:
-                settings = {k: v for k, v in group.items() if k != "params"}
-                groups.append({**settings, "params": shard_params})
-                self.user_group.append(g)
-        try:
-            shard = cls(groups, **defaults)
-        except (TypeError, ValueError) as error:
-            raise OptpassError(f"data_parallel='zero1': could not build a {cls.__name__} over this "
-                               f"rank's shards ({error}).") from error
-        return shard
+        made, self.user_group, first = [], [], 0
+        for member in optimizers_of(self.optimizer):
+            groups = []
+            for g, group in enumerate(member.param_groups, start=first):
+                shard_params = [self.shards[b.index] for b in self.layout.buckets
+                                if b.group == g and b.index in self.shards]
+                if shard_params:
+                    settings = {k: v for k, v in group.items() if k != "params"}
+                    groups.append({**settings, "params": shard_params})
+                    self.user_group.append(g)
+            first += len(member.param_groups)
+            if groups:
+                made.append(_shard_optimizer_like(member, groups))
+        return OptimizerList.of(made)
 
     def sync_lr(self) -> None:
         """The user's scheduler changes the user's optimizer: the shard optimizer follows."""
@@ -248,7 +248,8 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
             agree(pg.group, "zero1", step + Replicas.signature(replicated))
             existing.replicas = Replicas(pg, replicated)
         return existing
-    refuse_non_elementwise(optimizer, master_dtype)      # every rank: the same verdict, before any collective
+    for member in optimizers_of(optimizer):               # every rank: the same verdict, before any collective
+        refuse_non_elementwise(member, master_dtype)
     agreed = signature(optimizer, partition, bucket_bytes, names, master_dtype)
     if step is not None:
         agreed += step + Replicas.signature(replicated)
@@ -257,17 +258,30 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
     sharded = ShardedOptimizer(optimizer, pg, partition, bucket_bytes, master_dtype, order)
     if step is not None:
         sharded.replicas = Replicas(pg, replicated)
-    # an eager opt.step() with gradients would update every parameter with this rank's gradients
-    # (and, with master_weights, bypass the masters): it raises
-    optimizer.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
-                                     else refuse_unsharded_step)
-    # its state lives in the shards: a plain state_dict would save none, a plain load would be ignored
-    optimizer.register_state_dict_pre_hook(refuse_plain_state_dict)
-    optimizer.register_load_state_dict_pre_hook(refuse_plain_load_state_dict)
+    for member in optimizers_of(optimizer):
+        # an eager opt.step() with gradients would update every parameter with this rank's gradients
+        # (and, with master_weights, bypass the masters): it raises
+        member.register_step_pre_hook(refuse_step_outside_the_compiled_step if master_dtype is not None
+                                      else refuse_unsharded_step)
+        # its state lives in the shards: a plain state_dict would save none, a plain load would be ignored
+        member.register_state_dict_pre_hook(refuse_plain_state_dict)
+        member.register_load_state_dict_pre_hook(refuse_plain_load_state_dict)
     _SHARDED[optimizer] = sharded
     if master_dtype is not None:
         note_sharded_masters(optimizer, pg.world)       # optpass.master_weights(opt) says where they are
     return sharded
+
+
+def _shard_optimizer_like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class and defaults over `groups` (this rank's shards)."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    try:
+        return cls(groups, **defaults)
+    except (TypeError, ValueError) as error:
+        raise OptpassError(f"data_parallel='zero1': could not build a {cls.__name__} over this "
+                           f"rank's shards ({error}).") from error
 
 
 class Replicas:
@@ -355,7 +369,8 @@ def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
     """The ZeRO-1 state of `optimizer` on this rank (after the first compile of its step).
 
     Args:
-        optimizer: the user's optimizer, as given in the step's options.
+        optimizer: the user's optimizer, as given in the step's options (a list of optimizers: that
+            list).
 
     Returns:
         This rank's ``ShardedOptimizer``: the layout, the shard optimizer, ``state_bytes()``;
@@ -365,7 +380,13 @@ def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         OptpassError: the optimizer is not sharded (yet): its state is made when a step compiled
             with ``data_parallel="zero1"`` first runs (or by ``load_sharded_checkpoint``).
     """
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = OptimizerList.of(optimizer)
     sharded = _SHARDED.get(optimizer)
+    listed = next((key for key in _SHARDED.keys() if optimizer in optimizers_of(key)), None)
+    if sharded is None and listed is not None:
+        raise OptpassError(f"this optimizer is sharded as one of the list {listed!r} given to its step: "
+                           "pass that list, e.g. sharded_state([opt_a, opt_b]).")
     if sharded is None:
         raise OptpassError("this optimizer is not sharded (yet): its state is created when a step "
                            "compiled with options={'optimizer': opt, 'data_parallel': 'zero1'} first runs.")
@@ -377,7 +398,8 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
               master_dtype: torch.dtype | None = None) -> list[tuple[str, Any]]:
     """What must be identical on every rank, as (what, value) pairs in a fixed order."""
     names = names or {}
-    items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__name__),
+    items: list[tuple[str, Any]] = [("optimizer class", repr(optimizer) if isinstance(optimizer, OptimizerList)
+                                     else type(optimizer).__name__),
                                     ("partition", partition), ("bucket_bytes", bucket_bytes),
                                     ("master_weights", str(master_dtype)),
                                     ("param groups", len(optimizer.param_groups))]
