@@ -21,6 +21,7 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
                              warn_optimizer_step_in_loop, warn_recurrent_fallback)
 from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.errors import OptpassError, warn_at_user_line
+from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_every_update_is_handled, check_fsdp, check_grad_scaler,
                               check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
@@ -168,6 +169,8 @@ def check_fully_sharded(captured, options) -> None:
     built before fully_shard holds the replaced full parameters, which nothing would update). The
     ranks agree on the optimizer and the options before the first step's collectives."""
     sharded = [p.name for p in captured.params if p.tensor is not None and shard_spec(p.tensor) is not None]
+    # a model materialized from the meta device: its initialization ends at its first compiled step
+    finish_initialization_of([p.tensor for p in captured.params if p.tensor is not None])
     if options.data_parallel != "fsdp":
         if sharded and captured.kind is GraphKind.STEP:
             raise OptpassError(
@@ -191,8 +194,9 @@ def check_fully_sharded(captured, options) -> None:
             f"data_parallel='fsdp': parameter(s) {', '.join(whole[:3])} get gradients in this step but are not "
             "sharded (another model, or one built after optpass.fully_shard, or a part of the model left out "
             "when fully_shard was called on its blocks only): their gradients would stay this rank's own. Pass "
-            "every model the step trains to optpass.fully_shard, each whole and once: optpass finds the units "
-            "(the blocks of a ModuleList) itself, so FSDP2's fully_shard(block) for each block is not needed.")
+            "every model the step trains to optpass.fully_shard, each whole: optpass.fully_shard(model) alone (it "
+            "finds the units, the blocks of a ModuleList, itself), or FSDP2's way, fully_shard(block) for each "
+            "block and then fully_shard(model) on the whole model.")
     params = [p for group in options.optimizer.param_groups for p in group["params"]]
     replaced = [replaced_name(p) for p in params if replaced_name(p) is not None]
     if replaced:

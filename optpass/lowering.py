@@ -80,7 +80,7 @@ def lower(gm, example_inputs, context, *, captured, options):
     # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
     key = repr((options.digest(), captured.roles_digest(),
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items()),
-                reshard_after_forward.settings(), _row_chunks.ROW_CHUNK_BYTES))
+                reshard_after_forward.settings(captured), _row_chunks.ROW_CHUNK_BYTES))
     # A pass's plan may need Inductor to keep the order it emits (e.g. collectives during backward).
     patches = {k: v for plan in context.values() for k, v in getattr(plan, "inductor_config", {}).items()}
     if options.data_parallel == "fsdp" and captured.kind is GraphKind.STEP:

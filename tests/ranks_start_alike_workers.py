@@ -130,19 +130,9 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
 
 
-def meta_model(rank, world):
-    with torch.device("meta"):
-        model = _mlp()
-    try:
-        optpass.fully_shard(model)
-    except optpass.OptpassError as error:
-        return {"error": (type(error).__name__, str(error))}
-    return {}
-
-
 def meta_model_materialized(rank, world):
-    """What the refusal says to do: to_empty, initialize, fully_shard. Trained 3 steps with fsdp, it
-    equals one process on the whole batch from the same model built on the CPU."""
+    """Materialized before sharding: to_empty, initialize, fully_shard. Trained 3 steps with fsdp, it
+    equals one process on the whole batch from rank 0's initialization."""
     torch.manual_seed(rank)                     # only rank 0's initialization counts
     with torch.device("meta"):
         model = _mlp()

@@ -24,6 +24,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
+from optpass.fsdp.materialize import finish_initialization, mark_written, write_back_alive
 from optpass.fsdp.shard import ShardSpec, shard_spec, sharded_parameters
 from optpass.zero1 import checkpoint as zero1_checkpoint
 
@@ -52,6 +53,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         OptpassError: the model holds no sharded parameter.
     """
     _require_sharded(model)
+    finish_initialization(model)
     full = {}
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
@@ -89,6 +91,7 @@ def load_full_state_dict(model: torch.nn.Module, source, strict: bool = True) ->
     from optpass.fsdp.safetensors_source import SafetensorsSource, is_safetensors_source, match_names
 
     _require_sharded(model)
+    write_back_alive()                   # no parameter gathered for initialization writes over the load later
     own = model.state_dict(keep_vars=True)
     if is_safetensors_source(source):
         files = SafetensorsSource(source)
@@ -120,6 +123,8 @@ def load_full_state_dict(model: torch.nn.Module, source, strict: bool = True) ->
                 target.zero_()
                 rows = rows_of(key, spec.offset, spec.offset + spec.valid)
                 target[:spec.valid].copy_(rows.reshape(spec.valid, *target.shape[1:]))
+                mark_written(target, loaded=True)
+    finish_initialization(model)       # a model from the meta device: what the checkpoint left unset is refused
 
 
 def _sharded_tensor(piece: torch.Tensor, spec: ShardSpec) -> ShardedTensor:

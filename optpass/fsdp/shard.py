@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
+from optpass.fsdp import materialize
 from optpass.fsdp.gather import gather
 from optpass.process_groups import collective_group_name
-from optpass.zero1.agreement import agree, announce_refusal
+from optpass.zero1.agreement import agree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,10 @@ class ShardSpec:
         group_name: the name of the group the shard's collectives run on: ``group``'s, or on gloo its
             twin with one worker thread (``optpass.process_groups``; docs/design.md §45).
         reshard_after_forward: whether the step gathers the parameter again for backward.
+        unit: the module the parameter is gathered with: the qualified name (in the root model) of
+            the block ``fully_shard`` was called on before the root, ``""`` for the root's other
+            parameters when blocks were named; None: found from the name (a block of a ModuleList or
+            Sequential, else the parameter's module).
     """
 
     name: str
@@ -65,6 +70,7 @@ class ShardSpec:
     group: object
     group_name: str
     reshard_after_forward: bool
+    unit: str | None = None
 
     @property
     def valid(self) -> int:
@@ -124,7 +130,9 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
                 ) -> torch.nn.Module:
     """Shard every parameter of ``module`` over the ranks of a process group (ZeRO-3).
 
-    Call it on every rank, after the model is built and before the optimizer. Each rank then keeps
+    Call it on every rank, after the model is built and before the optimizer: on the whole model,
+    or FSDP2's way, on each block first and then on the whole model (the blocks are then the units
+    the step gathers together; by default they are found from the parameters' names). Each rank then keeps
     only its shard of each parameter (its ``ceil(rows / N)`` rows along dim 0, zero-padded; rank 0's
     values, so every rank starts from the same model, as DDP does); ``module.parameters()`` yields
     the shards, so the optimizer built afterwards keeps state for the shards only. Reading a
@@ -132,6 +140,11 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
     step compiled with ``data_parallel="fsdp"`` gathers each parameter just before its use and frees
     it after; its backward reduces each gradient onto its shard (averaged over the ranks). Outside
     the step, ``model(x)`` under ``torch.no_grad()`` gathers too: every rank must call it.
+
+    A model built on the meta device is sharded as shapes: ``module.to_empty(device=...)`` then
+    allocates each rank's shards only, and the model's own initialization (``reset_parameters()``,
+    ``model.apply(fn)``, ``init_weights()``) writes each rank's rows of what it gives the unsharded
+    model under the same seed (``optpass.fsdp.materialize``; seed every rank alike).
 
     Args:
         module: the model (every parameter it holds is sharded, tied ones once). Buffers stay whole.
@@ -144,9 +157,10 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         ``module``, its parameters now shards.
 
     Raises:
-        OptpassError: torch.distributed is not initialized; the module holds tensors on the meta
-            device (build it on the CPU, or ``to_empty`` and initialize it first); the module was
-            sharded already; the ranks hold different models (names, shapes or dtypes differ;
+        OptpassError: torch.distributed is not initialized; ``fully_shard``
+            was called on this module already, or on a module around it before it; a block was
+            sharded over another group or with another ``reshard_after_forward``; a weight tied
+            between a block sharded first and the rest of the model; the ranks hold different models (names, shapes or dtypes differ;
             every rank raises it).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -154,25 +168,21 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
                            "torch.distributed.init_process_group(...) on every rank first.")
     group = process_group if process_group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    _refuse_meta_tensors(module)
-    already = [name for name, p in module.named_parameters() if p in _SPECS]
-    if already:
-        raise OptpassError(f"optpass.fully_shard: {module.__class__.__name__} holds sharded parameters "
-                           f"already ({', '.join(already[:3])}): call fully_shard once, on the whole model. "
-                           "optpass finds the units itself (a block of a ModuleList or Sequential: one all-gather "
-                           "per block, per parameter on gloo), so FSDP2's fully_shard(block) for each block first "
-                           "is not needed; those parts are sharded now: build the model again and call "
-                           "optpass.fully_shard(model) alone.")
-    named = list(module.named_parameters(remove_duplicate=True))
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        materialize.remember_meta_buffers(module)
+    blocks = _sharded_blocks(module, group, reshard_after_forward)
+    named = [(n, p) for n, p in module.named_parameters(remove_duplicate=True) if p not in _SPECS]
     # every rank the same model, before any collective (a mismatch would hang in the broadcast)
     agree(group, "fsdp", [("parameters", [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]),
                           ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()])])
     shards: dict[int, torch.nn.Parameter] = {}
     with torch.no_grad():
         for name, full in named:
-            shards[id(full)] = _shard(full, name, group, world, rank, reshard_after_forward)
+            shards[id(full)] = _shard(full, name, group, world, rank, reshard_after_forward,
+                                      unit="" if blocks else None)
         for buffer in module.buffers():
-            dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
+            if not buffer.is_meta:             # a meta buffer is made rank 0's after its initialization
+                dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
     for sub in module.modules():
         local = [n for n, p in sub._parameters.items() if p is not None and id(p) in shards]
         if not local:
@@ -187,32 +197,103 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         # in the property would break the graph)
         object.__setattr__(sub, GATHER_ARGS, gathering)
         sub.__class__ = _sharded_class(type(sub), tuple(sorted(local)))
+    object.__setattr__(module, SHARDED_HERE, True)
+    if not isinstance(module, _KeepsShardsThroughApply):
+        module.__class__ = _keeping_shards_class(type(module))
+    materialize.track_root(module)
     return module
 
 
-def _refuse_meta_tensors(module: torch.nn.Module) -> None:
-    """A model built under ``torch.device("meta")`` holds no values: nothing to broadcast from rank 0
-    or to shard. Refused before the ranks' agreement (announced: a rank waiting in it fails with this)."""
-    on_meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    if not on_meta:
-        return
-    message = (
-        f"optpass.fully_shard: {module.__class__.__name__} holds {len(on_meta)} parameter(s) and buffer(s) on "
-        f"the meta device ({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}): they have no values "
-        "to shard or to take from rank 0. fully_shard shards a model that holds its values: build it on the "
-        "CPU, or materialize it first, on every rank: model.to_empty(device='cpu'), then initialize every "
-        "parameter and buffer (reset_parameters() of each module that has one, and what the constructor "
-        "computes, such as a rotary table), then optpass.fully_shard(model), which takes rank 0's values. "
-        "Each rank holds the whole model until fully_shard: a model that stays on the meta device until it "
-        "is sharded is not supported.")
-    announce_refusal(message)
-    raise OptpassError(message)
+class _KeepsShardsThroughApply:
+    """Mixed into the class of a module passed to ``fully_shard``: ``to_empty``, ``.to()``,
+    ``.float()`` (``Module._apply``) give each module new parameter objects; the shards' specs follow
+    them, tied parameters stay one object, and shards that come off the meta device start their
+    initialization (``optpass.fsdp.materialize``)."""
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        """The registered parameter (a shard), as ``named_parameters()`` yields it: reading it as an
+        attribute would gather it (Hugging Face's ``tie_weights`` looks parameters up this way)."""
+        module_path, _, name = target.rpartition(".")
+        module = self.get_submodule(module_path)
+        if name in getattr(module, GATHER_ARGS, {}):
+            return module._parameters[name]
+        return super().get_parameter(target)
+
+    def _apply(self, fn, recurse=True):
+        before = {(m, n): m._parameters[n] for m in self.modules() for n in getattr(m, GATHER_ARGS, {})}
+        result = super()._apply(fn, recurse)
+        materialize.materialized(self, before, _SPECS)
+        for module in self.modules():           # the collectives' group for the device the shards are on now
+            gathering = getattr(module, GATHER_ARGS, None)
+            for n in gathering or ():
+                shard, spec = module._parameters[n], _SPECS[module._parameters[n]]
+                group_name = collective_group_name(spec.group, shard.device.type)
+                if group_name != spec.group_name:
+                    _SPECS[shard] = spec = dataclasses.replace(spec, group_name=group_name)
+                    if shard in materialize._INITIALIZING:
+                        materialize._INITIALIZING[shard] = spec
+                gathering[n] = (spec.rows, spec.shape, spec.world, spec.group_name)
+        return result
 
 
-def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_forward) -> torch.nn.Parameter:
+def _keeping_shards_class(cls: type) -> type:
+    key = (cls, "keeps shards")
+    if key not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[key] = type(cls.__name__, (_KeepsShardsThroughApply, cls),
+                                     {"__module__": cls.__module__, "_optpass_unsharded_class":
+                                      getattr(cls, "_optpass_unsharded_class", cls)})
+    return _SHARDED_CLASSES[key]
+
+
+SHARDED_HERE = "_optpass_fully_shard_called"     # on a module fully_shard was called on
+
+
+def _sharded_blocks(module: torch.nn.Module, group, reshard_after_forward: bool) -> list[str]:
+    """FSDP2's pattern: ``fully_shard(block)`` for each block, then ``fully_shard(model)``. The
+    blocks sharded before this call become its gather units (their shards' specs get the block's
+    qualified name in ``module`` and their names in it); returns their names. Refuses a second call
+    on the same module, a block sharded over another group or with another ``reshard_after_forward``,
+    and a module whose parameters are all sharded by a call on a module around it."""
+    if getattr(module, SHARDED_HERE, False):
+        raise OptpassError(f"optpass.fully_shard: {module.__class__.__name__} was sharded already: call "
+                           "fully_shard once on each block (optional) and then once on the whole model.")
+    blocks = [(q, sub) for q, sub in module.named_modules() if q and getattr(sub, SHARDED_HERE, False)]
+    inner = {id(p) for _, sub in blocks for p in sub.parameters()}
+    stray = [n for n, p in module.named_parameters() if p in _SPECS and id(p) not in inner]
+    if stray:
+        raise OptpassError(f"optpass.fully_shard: {module.__class__.__name__}'s parameters "
+                           f"({', '.join(stray[:3])}) were sharded by a fully_shard call on a module around it: "
+                           "call fully_shard on each block first, then on the whole model (FSDP2's order).")
+    outermost = [(q, sub) for q, sub in blocks if not any(q.startswith(o + ".") for o, _ in blocks if o != q)]
+    for qualified, block in outermost:
+        for name, shard in block.named_parameters(remove_duplicate=True):
+            spec = _SPECS[shard]
+            if spec.group is not group or spec.reshard_after_forward != reshard_after_forward:
+                raise OptpassError(f"optpass.fully_shard: block {qualified} was sharded over another process "
+                                   "group or with another reshard_after_forward than the whole model: use the "
+                                   "same for every call.")
+            _SPECS[shard] = dataclasses.replace(spec, name=f"{qualified}.{name}", unit=qualified)
+    tied = [n for n, p in module.named_parameters() if p in _REPLACED]
+    if tied:
+        raise OptpassError(f"optpass.fully_shard: {', '.join(tied[:3])} is tied to a parameter of a block sharded "
+                           "before (the block holds its shard, this module the full tensor): shard the whole "
+                           "model with one call, optpass.fully_shard(model), or keep tied weights out of the "
+                           "blocks you shard first.")
+    return [q for q, _ in outermost]
+
+
+def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_forward,
+           unit: str | None = None) -> torch.nn.Parameter:
     """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
     rank's rows of it as a new parameter: no copy of the whole parameter is made."""
     value = full.detach()
+    if value.is_meta:                           # shapes only: the shard's values come with its initialization
+        rows = value.shape[0] if value.dim() else 1
+        chunk = max(1, math.ceil(rows / world))
+        shard = torch.nn.Parameter(value.new_empty(chunk, *value.shape[1:]), requires_grad=full.requires_grad)
+        _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
+                                  collective_group_name(group, "cpu"), reshard_after_forward, unit)
+        return shard
     dist.broadcast(value, dist.get_global_rank(group, 0), group=group)
     rows_of = value.reshape(1) if value.dim() == 0 else value
     rows = rows_of.shape[0]
@@ -222,7 +303,7 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     shard = torch.nn.Parameter(torch.cat([mine, padding]) if padding.shape[0] else mine.clone(),
                                requires_grad=full.requires_grad)
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
-                              collective_group_name(group, value.device.type), reshard_after_forward)
+                              collective_group_name(group, value.device.type), reshard_after_forward, unit)
     return shard
 
 
@@ -239,6 +320,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
 def _gathering(name: str):
     def gathered(self):
-        return gather(self._parameters[name], *getattr(self, GATHER_ARGS)[name])
+        shard = self._parameters[name]
+        if not torch.compiler.is_compiling() and materialize.initializing(shard):
+            return materialize.full_for_initialization(shard, _SPECS[shard])
+        return gather(shard, *getattr(self, GATHER_ARGS)[name])
     gathered.__name__ = name
     return gathered

@@ -64,10 +64,14 @@ COALESCE_UNITS: bool | str = "auto"
 PREFETCH: bool = True
 
 
-def settings() -> tuple:
-    """The module's switches, for the compiled-graph cache's key: a graph rewritten under other
-    switches must not be served from the cache."""
-    return COALESCE_UNITS, PREFETCH
+def settings(captured=None) -> tuple:
+    """The module's switches and the units the user named (``fully_shard`` per block), for the
+    compiled-graph cache's key: a graph rewritten under other switches or units must not be served
+    from the cache."""
+    named_units = sorted((p.name, spec.unit) for p in (captured.params if captured is not None else ())
+                         if p.tensor is not None and (spec := shard_spec(p.tensor)) is not None
+                         and spec.unit is not None)
+    return COALESCE_UNITS, PREFETCH, tuple(named_units)
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -86,8 +90,9 @@ def run(step: StepGraph, options) -> str | None:
     on_gloo = _on_gloo(gathers[0][2], gathers[0][0])
     coalesce = not on_gloo if COALESCE_UNITS == "auto" else bool(COALESCE_UNITS)
     prefetch = bool(PREFETCH)
-    forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce)
-    backward_units = _gather_units(step, regathered, coalesce)
+    specs = {name: spec for _, name, spec in gathers}
+    forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce, specs)
+    backward_units = _gather_units(step, regathered, coalesce, specs)
     if prefetch:
         _prefetch_one_ahead(step, forward_units)
         _prefetch_one_ahead(step, backward_units)
@@ -127,10 +132,13 @@ def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]
     return found
 
 
-def unit_of(name: str) -> str:
-    """The unit a parameter is gathered with: its name up to the first index of a ModuleList or
-    Sequential (a transformer block, ``model.layers.3``; a Sequential's layer, ``0``), else its
-    module's name (``lm_head``, ``model.norm``)."""
+def unit_of(name: str, spec=None) -> str:
+    """The unit a parameter is gathered with: the block the user called ``fully_shard`` on before
+    the whole model (``spec.unit``: FSDP2's per-block calls), else its name up to the first index of
+    a ModuleList or Sequential (a transformer block, ``model.layers.3``; a Sequential's layer, ``0``),
+    else its module's name (``lm_head``, ``model.norm``)."""
+    if spec is not None and spec.unit is not None:
+        return spec.unit
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -150,8 +158,8 @@ def _on_gloo(spec, start: torch.fx.Node) -> bool:
     return backend_for_device(dist.get_backend(spec.group), start.meta["val"].device.type) == "gloo"
 
 
-def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coalesce: bool
-                  ) -> dict[torch.fx.Node, str]:
+def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coalesce: bool,
+                  specs: dict) -> dict[torch.fx.Node, str]:
     """With ``coalesce``, merge each run of all-gathers (in graph order) of one unit, one dtype and
     one group into one ``all_gather_into_tensor_coalesced`` at the run's first; {collective: unit},
     in graph order."""
@@ -161,7 +169,7 @@ def _gather_units(step: StepGraph, starts: list[tuple[torch.fx.Node, str]], coal
         return {start: name for start, name in starts}
     runs: list[tuple[tuple, list[torch.fx.Node]]] = []      # (unit, dtype, world, group), its gathers
     for start, name in starts:
-        key = (unit_of(name), start.meta["val"].dtype, start.args[1], start.args[2])
+        key = (unit_of(name, specs.get(name)), start.meta["val"].dtype, start.args[1], start.args[2])
         if runs and runs[-1][0] == key:
             runs[-1][1].append(start)
         else:

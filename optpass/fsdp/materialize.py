@@ -1,0 +1,225 @@
+"""A model built on the meta device, sharded, then materialized and initialized shard by shard.
+
+FSDP2's recipe for a model no rank can hold whole::
+
+    with torch.device("meta"):
+        model = Model(config)
+    optpass.fully_shard(model)          # shards on the meta device: shapes only, no values
+    model.to_empty(device="cpu")        # each rank allocates its shards only
+    torch.manual_seed(0)                # the same seed on every rank
+    model.init_weights()                # or reset_parameters() per module, model.apply(fn), post_init()
+
+How the model's own initialization writes the shards: between ``to_empty`` and the end of
+initialization, reading a sharded parameter through its module (``linear.weight``, what every
+init function does) gathers its current value into a full temporary (a collective; every rank runs
+the same init code in the same order) that the init function fills in place; when the temporary
+dies, right after the init function returns, this rank's rows of it are copied into the shard. So
+the shards hold exactly the rows of what the same initialization under the same seed gives the
+unsharded model, and no rank holds more than its shards and the one full parameter being
+initialized.
+
+Initialization ends at the model's first compiled step, or ``full_state_dict``, or
+``load_full_state_dict``, whichever comes first (``finish_initialization``): every temporary still
+alive is written back, and a shard or floating-point buffer that nothing wrote since ``to_empty``
+(``to_empty`` fills them with NaN) is an error naming it: never garbage. Buffers are then made rank
+0's on every rank, as ``fully_shard`` does.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from optpass.errors import OptpassError
+
+# shard -> ShardSpec, for the shards materialized from the meta device and not yet initialized
+_INITIALIZING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# root module -> [(qualified name, module, buffer name)] of its buffers that were on the meta device
+_META_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_ALIVE: "weakref.WeakSet[_WrittenBack]" = weakref.WeakSet()
+# shard -> its version counter after optpass last wrote it: a write that is not optpass's (through
+# ``model.parameters()``, which yields the shards) drew values for the shard's shape, not the full one's
+_VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WRITTEN_DIRECTLY: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+
+
+def mark_written(shard: torch.Tensor, loaded: bool = False) -> None:
+    """optpass wrote ``shard`` (a write-back, or with ``loaded`` a checkpoint's rows, which replace
+    whatever an initialization wrote before): not a direct write."""
+    if shard in _INITIALIZING:
+        _VERSION[shard] = shard._version
+        if loaded:
+            _WRITTEN_DIRECTLY.discard(shard)
+
+
+class _WrittenBack(torch.Tensor):
+    """A full parameter gathered for initialization: this rank's rows go back to the shard when it
+    dies (or at ``finish_initialization``). Operations on it give plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getattr__(self, name):
+        """An attribute an init function set on the parameter before (Hugging Face's
+        ``_is_hf_initialized``) is read from the shard, where ``__setattr__`` put it."""
+        shard = self.__dict__.get("_optpass_target", (None,))[0]
+        if shard is None or name.startswith("_optpass"):
+            raise AttributeError(name)
+        return getattr(shard, name)
+
+    def __setattr__(self, name, value):
+        shard = self.__dict__.get("_optpass_target", (None,))[0]
+        if shard is None or name.startswith("_optpass") or hasattr(torch.Tensor, name):
+            super().__setattr__(name, value)
+        else:
+            setattr(shard, name, value)     # outlives this temporary, as it would on the parameter
+
+    @property
+    def data(self):
+        """Itself (it never requires grad): ``module.weight.data.normal_()`` must write into the
+        temporary that writes back, not into a tensor outliving it."""
+        return self
+
+    @data.setter
+    def data(self, value):
+        with torch.no_grad():
+            self.copy_(value)
+
+    def write_back(self) -> None:
+        shard, offset, valid = getattr(self, "_optpass_target", (None, 0, 0))
+        if shard is None:
+            return
+        self._optpass_target = (None, 0, 0)
+        with torch.no_grad():
+            rows = self.as_subclass(torch.Tensor).reshape(-1, *shard.shape[1:]) if self.dim() else \
+                self.as_subclass(torch.Tensor).reshape(1)
+            if shard in _VERSION and shard._version != _VERSION[shard]:
+                _WRITTEN_DIRECTLY.add(shard)      # an init drew values for the shard's shape: the random
+            shard[:valid].copy_(rows[offset:offset + valid])    # stream differs from one device's from there on
+            mark_written(shard)
+
+    def __del__(self):
+        self.write_back()
+
+
+def initializing(shard: torch.Tensor) -> bool:
+    """``shard`` was materialized from the meta device and its model's initialization has not ended."""
+    return shard in _INITIALIZING
+
+
+def full_for_initialization(shard: torch.Tensor, spec) -> torch.Tensor:
+    """The full parameter gathered eagerly from every rank's shard, as a temporary whose rows go back
+    to ``shard`` when it dies: what reading ``module.weight`` gives while the model is initialized."""
+    pieces = torch.empty(spec.chunk * spec.world, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
+    with torch.no_grad():
+        # one broadcast per rank into its rows of the full tensor: nothing but the full tensor is
+        # allocated (gloo's all-gather copies through a second full buffer)
+        pieces[spec.rank * spec.chunk:(spec.rank + 1) * spec.chunk].copy_(shard)
+        for rank in range(spec.world):
+            dist.broadcast(pieces[rank * spec.chunk:(rank + 1) * spec.chunk],
+                           dist.get_global_rank(spec.group, rank), group=spec.group)
+    full = pieces[:spec.rows].reshape(spec.shape)
+    temporary = torch.Tensor._make_subclass(_WrittenBack, full, False)
+    temporary._optpass_target = (shard, spec.offset, spec.valid)
+    _ALIVE.add(temporary)
+    return temporary
+
+
+def materialized(root: torch.nn.Module, shards_before: dict, specs: WeakIdKeyDictionary) -> None:
+    """After ``root._apply`` (``to_empty``, ``.to``, ``.float()``...): each module holds a new object
+    for each shard; key the specs by the new objects, and when the shards came off the meta device,
+    fill them and the former meta buffers with NaN and start the initialization window. Tied
+    parameters come out as separate objects, as ``Module._apply`` leaves them without sharding (tie
+    them again after ``to_empty``: Hugging Face's ``tie_weights()`` in ``init_weights()`` does)."""
+    for (module, name), old in shards_before.items():
+        canonical = module._parameters[name]
+        if canonical is old:
+            continue
+        if old in specs:
+            specs[canonical] = specs[old]
+        if old.is_meta and not canonical.is_meta:
+            with torch.no_grad():
+                if canonical.is_floating_point():
+                    canonical.fill_(float("nan"))
+                canonical[specs[canonical].valid:].zero_()          # the padding rows stay zero
+            _INITIALIZING[canonical] = specs[canonical]
+            mark_written(canonical)
+    for _, module, name in _META_BUFFERS.get(root, ()):
+        buffer = module._buffers.get(name)
+        if buffer is not None and not buffer.is_meta and buffer.is_floating_point():
+            with torch.no_grad():
+                buffer.fill_(float("nan"))
+
+
+def remember_meta_buffers(root: torch.nn.Module) -> None:
+    _META_BUFFERS[root] = [(f"{q}.{n}" if q else n, m, n) for q, m in root.named_modules()
+                           for n, b in m._buffers.items() if b is not None and b.is_meta]
+
+
+def finish_initialization(root: torch.nn.Module) -> None:
+    """End the initialization window of ``root``'s shards: write back what is still alive, refuse
+    what nothing initialized, make the buffers rank 0's. A no-op for a model that never was on the
+    meta device or whose initialization ended before."""
+    shards = [(n, p) for n, p in root.named_parameters() if p in _INITIALIZING]
+    buffers = _META_BUFFERS.get(root, [])
+    if not shards and not buffers:
+        return
+    write_back_alive()
+    direct = [n for n, p in shards if p in _WRITTEN_DIRECTLY or (p in _VERSION and p._version != _VERSION[p])]
+    if direct:
+        raise OptpassError(
+            f"optpass: {len(direct)} sharded parameter(s) of {root.__class__.__name__} were written directly during "
+            f"their initialization ({', '.join(direct[:4])}{', ...' if len(direct) > 4 else ''}), through "
+            "model.parameters() / named_parameters(), which yield this rank's shards: an init function drew "
+            "values for the shard's shape there, not the rows of the full parameter, so the model would not be "
+            "what the same code gives on one device (Hugging Face GPT-2's init of c_proj.weight does this). "
+            "Initialize through the module's attribute (module.weight, which writes the shards' rows), or load "
+            "the weights: optpass.load_full_state_dict(model, checkpoint) after initializing, or build the "
+            "model on the CPU and fully_shard it.")
+    unset = [n for n, p in shards if p.is_floating_point() and _written_rows_have_nan(p, _INITIALIZING[p])]
+    unset += [q for q, m, n in buffers if m._buffers.get(n) is not None
+              and m._buffers[n].is_floating_point() and m._buffers[n].isnan().any()]
+    if unset:
+        raise OptpassError(
+            f"optpass: {len(unset)} parameter(s) or buffer(s) of {root.__class__.__name__} were not initialized "
+            f"after to_empty ({', '.join(unset[:4])}{', ...' if len(unset) > 4 else ''}): they hold no values. "
+            "Initialize every parameter and buffer after model.to_empty(...) and before training (the model's "
+            "init_weights() / post_init(), reset_parameters() of each module, model.apply(fn), or "
+            "optpass.load_full_state_dict(model, checkpoint)), e.g. a rotary table computed in the constructor.")
+    group = next((_INITIALIZING[p].group for _, p in shards), None)
+    if group is not None:
+        with torch.no_grad():
+            for buffer in root.buffers():
+                dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
+    for _, p in shards:
+        del _INITIALIZING[p]
+    _META_BUFFERS.pop(root, None)
+
+
+def write_back_alive() -> None:
+    """Write back (and disarm) every temporary gathered for initialization that is still alive, so
+    that none writes stale rows later."""
+    for temporary in list(_ALIVE):
+        temporary.write_back()
+
+
+def finish_all(shards) -> None:
+    """End the initialization of every model a compiled step trains (its shards ``shards``)."""
+    if not any(s in _INITIALIZING for s in shards):
+        return
+    roots = {id(r): r for r in _ROOTS if any(p in _INITIALIZING for p in r.parameters())}
+    for root in roots.values():
+        finish_initialization(root)
+
+
+def _written_rows_have_nan(shard: torch.Tensor, spec) -> bool:
+    return bool(shard[:spec.valid].isnan().any())
+
+
+_ROOTS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def track_root(root: torch.nn.Module) -> None:
+    _ROOTS.add(root)
