@@ -59,8 +59,7 @@ def mine(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def mlp() -> nn.Module:
     """Uneven sizes on purpose: no parameter splits evenly over 2 or 3 ranks but the LayerNorm's."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 13), nn.LayerNorm(13), nn.Tanh(),
-                         nn.Linear(13, 5))
+    return mlp_unseeded()
 
 
 def make_step(model, opt, loss_fn=F.mse_loss):
@@ -819,6 +818,7 @@ def meta_device_recipes(rank, world, workdir):
 
 
 def mlp_unseeded() -> nn.Module:
+    """``mlp()`` under the current seed."""
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 13), nn.LayerNorm(13), nn.Tanh(),
                          nn.Linear(13, 5))
 

@@ -16,10 +16,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import optpass
+from fsdp_workers import make_step
 from optpass.zero1 import agreement
 
 PER_RANK = 3
@@ -42,17 +42,6 @@ def batch(step: int, rank: int, world: int):
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(PER_RANK * world, 6, generator=g), torch.randn(PER_RANK * world, 1, generator=g)
     return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-
-
-def make_step(model, opt):
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
 
 
 # ------------------------------------------------------------------ buffers the step does not read
