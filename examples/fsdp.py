@@ -33,7 +33,9 @@
 #    FSDP2 and optpass ZeRO-1;
 # 2. plots each rank's memory for the three;
 # 3. prints the graph diff of one unit: what the `reshard_after_forward` pass did;
-# 4. checks that the result equals single-process training on the whole batch.
+# 4. checks that the result equals single-process training on the whole batch;
+# 5. builds a Hugging Face Llama on the meta device, so that no rank ever holds the whole
+#    model, and trains it.
 
 # %%
 import json
@@ -149,6 +151,67 @@ print(f"max difference, optpass fsdp on 2 ranks vs one process: {worst:.2e}")
 assert worst < 1e-4
 
 # %% [markdown]
+# ## 5. A model no rank can hold: build on the meta device
+#
+# Above, every rank built the whole model before `fully_shard` kept its rows. A model larger
+# than one rank can hold is built under `torch.device("meta")` (shapes, no memory), sharded with
+# FSDP2's calls (each decoder layer, then the model), given memory for its shards only by
+# `to_empty`, and initialized by its own code (`init_weights()`, as a Hugging Face model
+# does after construction) under the same seed on every rank. `train_from_meta` in
+# `fsdp_train.py` does it for a tiny Llama on 2 ranks, then trains 3 steps:
+
+# %%
+print(source[source.index("    with torch.device(\"meta\"):"):source.index("    losses = []")])
+
+# %% [markdown]
+# Each rank's parameter bytes are its shards, half of the whole model's: `to_empty` allocated
+# nothing more, and `init_weights` held one full parameter at a time, the one it filled
+# ([docs/fsdp.md](../docs/fsdp.md)). The parameters the ranks gathered after
+# `init_weights` equal the same init on one device: the model built on meta in this process,
+# `to_empty`, the same seed, `init_weights()`. So does training: 3 steps of one process on
+# the whole batch.
+
+# %%
+import transformers
+
+meta_out = tempfile.mkdtemp(prefix="optpass-fsdp-meta-")
+meta_command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "fsdp_train.py", "--recipe", "meta", "--out", meta_out]
+finished = subprocess.run(meta_command, capture_output=True, text=True, timeout=900)
+assert finished.returncode == 0, finished.stderr[-3000:]
+meta_ranks = [json.loads((pathlib.Path(meta_out) / f"rank{r}.json").read_text()) for r in range(2)]
+
+with torch.device("meta"):
+    one_device = transformers.LlamaForCausalLM(fsdp_train.llama_config())
+one_device.to_empty(device="cpu")
+torch.manual_seed(0)
+one_device.init_weights()
+full_bytes = sum(p.numel() * p.element_size() for p in one_device.parameters())
+for r in meta_ranks:
+    print(f"rank {r['rank']}: parameters held {r['param_bytes'] / 2**10:5.1f} KiB of the whole model's "
+          f"{full_bytes / 2**10:.1f} KiB; loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+
+
+def worst_difference(gathered, model):
+    return max((torch.tensor(gathered[name]).view_as(t) - t).abs().max().item()
+               for name, t in model.state_dict().items())
+
+
+initialized = worst_difference(meta_ranks[0]["initialized"], one_device)
+print(f"max difference, init_weights on 2 ranks' shards vs on one device: {initialized:.2e}")
+assert initialized == 0
+
+opt = torch.optim.AdamW(one_device.parameters(), lr=torch.tensor(1e-3))
+for i in range(len(meta_ranks[0]["losses"])):
+    tokens = fsdp_train.llama_tokens(i, 2 * fsdp_train.PER_RANK)
+    one_device(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    opt.zero_grad()
+trained = worst_difference(meta_ranks[0]["trained"], one_device)
+print(f"max difference after 3 steps, optpass fsdp on 2 ranks vs one process: {trained:.2e}")
+assert trained < 1e-4
+
+# %% [markdown]
 # ## Summary
 #
 # * `optpass.fully_shard(model)` before the optimizer and `data_parallel="fsdp"`: each rank
@@ -158,4 +221,9 @@ assert worst < 1e-4
 #   no rank ever holds the sharded gradients of the whole model.
 # * `optpass.full_state_dict(model)` gathers the parameters; `optpass.save_sharded_checkpoint`
 #   and `load_sharded_checkpoint` save the shards with torch.distributed.checkpoint and resume
-#   on any number of ranks. More in [docs/fsdp.md](../docs/fsdp.md).
+#   on any number of ranks.
+# * A model no rank can hold: build it on the meta device, `fully_shard` (each block, then the
+#   model), `to_empty`, and initialize with the model's own code: each rank only ever allocates
+#   its shards (and one full parameter at a time while it initializes);
+#   `optpass.load_full_state_dict(model, path)` loads a Hugging Face `save_pretrained` directory
+#   the same way, each rank reading its own rows. More in [docs/fsdp.md](../docs/fsdp.md).

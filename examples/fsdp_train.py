@@ -10,6 +10,11 @@ it (parameters and optimizer state) plus the call's own peak (``optpass.measure_
 highest over the calls; and writes it, with the graph diff of the fsdp step and the gathered
 parameters, to ``--out/rank<r>.json``
 (examples/fsdp.ipynb reads them).
+
+With ``--recipe meta`` each rank instead builds a small Hugging Face Llama on the meta device,
+shards it (``fully_shard`` per decoder layer, then the model), allocates its shards with
+``to_empty``, initializes them with the model's own ``init_weights()`` and trains it
+(``train_from_meta``).
 """
 
 from __future__ import annotations
@@ -93,6 +98,56 @@ def train(variant: str, rank: int, world: int) -> dict:
     return result
 
 
+def llama_config():
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+def llama_tokens(step: int, samples: int) -> torch.Tensor:
+    return torch.randint(0, 64, (samples, 16), generator=torch.Generator().manual_seed(step))
+
+
+def train_from_meta(rank: int, world: int) -> dict:
+    """FSDP2's recipe for a model no rank can hold: no rank ever allocates the whole model."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama_config())   # shapes only, no memory
+    for layer in model.model.layers:
+        optpass.fully_shard(layer)                      # FSDP2's calls: each decoder layer a unit,
+    optpass.fully_shard(model)                          # then the rest (embeddings, norm, head)
+    model.to_empty(device="cpu")                        # this rank allocates its shards only
+    torch.manual_seed(0)                                # the same seed on every rank
+    model.init_weights()                                # the model's own init writes the shards
+    initialized = optpass.full_state_dict(model)        # gathered, for the notebook to check
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+
+    def train_step(tokens):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    # lower="eager" (the rewritten graph run op by op) only to compile this tiny model faster; train
+    # with the default, Inductor, when memory and speed matter (docs/fsdp.md, "Memory and time")
+    train_step = torch.compile(train_step, backend="optpass", options={
+        "optimizer": opt, "optimizer_in_backward": True, "data_parallel": "fsdp", "lower": "eager"})
+    losses = []
+    for i in range(3):
+        tokens = llama_tokens(i, PER_RANK * world)
+        losses.append(train_step(tokens[rank * PER_RANK:(rank + 1) * PER_RANK]).item())
+    return {"param_bytes": _bytes(model.parameters()), "losses": losses, "initialized": _as_lists(initialized),
+            "trained": _as_lists(optpass.full_state_dict(model))}
+
+
+def _as_lists(state: dict) -> dict:
+    return {name: t.reshape(-1).tolist() for name, t in state.items()}
+
+
 def _bytes(tensors) -> int:
     """Bytes this rank holds (a DTensor's local shard)."""
     return sum(getattr(t, "to_local", lambda: t)().numel() * t.element_size() for t in tensors)
@@ -112,11 +167,15 @@ def _state(opt, variant: str) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--recipe", choices=("compare", "meta"), default="compare")
     args = parser.parse_args()
     dist.init_process_group("gloo")                       # nccl on GPUs
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"rank": rank, "world": world, "parameters": sum(p.numel() for p in make_model().parameters()),
-              "variants": {v: train(v, rank, world) for v in ("optpass fsdp", "torch FSDP2", "optpass zero1")}}
+    if args.recipe == "meta":
+        result = {"rank": rank, "world": world, **train_from_meta(rank, world)}
+    else:
+        result = {"rank": rank, "world": world, "parameters": sum(p.numel() for p in make_model().parameters()),
+                  "variants": {v: train(v, rank, world) for v in ("optpass fsdp", "torch FSDP2", "optpass zero1")}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
