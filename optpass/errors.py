@@ -48,12 +48,23 @@ class OptpassError(ShortenTraceback):
         return self.message
 
 
+# Dynamo names the function it resumes after a graph break torch_dynamo_resume_in_<name>_at_<line>
+# (nested after a second break): the user wrote <name>
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceLine:
     file: str
     line: int
     function: str
     code: str
+
+    def __post_init__(self) -> None:
+        name = self.function
+        while (resumed := _RESUME.match(name)) is not None:
+            name = resumed.group(1)
+        object.__setattr__(self, "function", name)
 
     def __str__(self) -> str:
         code = self.code.strip()

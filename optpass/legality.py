@@ -41,6 +41,7 @@ option instead); a micro-step without ``opt.step()`` scales its backward.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import operator
 import os
@@ -582,24 +583,45 @@ def check_every_update_is_handled(captured: CapturedGraph, options) -> None:
     at = f" at {where}" if where is not None else ""
     names = f"{', '.join(stepped[:3])}{' ...' if len(stepped) > 3 else ''}"
     listed = repr(options.optimizer) if hasattr(options.optimizer, "optimizers") else type(options.optimizer).__name__
+    stepper = _class_of_optimizer_holding(by_name[stepped[0]].tensor, options.optimizer)
+    what = f"{stepper}{at}, an optimizer that is not in options['optimizer'] (which holds {listed}),"
     if options.data_parallel is not None:
         raise OptpassError(
-            f"data_parallel={options.data_parallel!r}: an optimizer that is not in options['optimizer'] "
-            f"({listed}) steps parameter(s) {names}{at}. optpass neither shards nor checks its update, which "
-            "would run on this rank's shard of each parameter: an update that reads a whole parameter (Muon's "
-            "Newton-Schulz, Adafactor's factored moments) computes something else there. Put it in the list, "
-            "options={'optimizer': [opt, other_opt], ...}: an elementwise optimizer (SGD, AdamW, ...) is then "
-            "sharded, one that is not is refused with the reason. To train those parameters with Muon, train "
-            "without data_parallel.")
+            f"data_parallel={options.data_parallel!r}: {what} steps parameter(s) {names}: optpass neither shards "
+            "nor checks its update, which would run on this rank's shard of each parameter: an update that reads "
+            "a whole parameter (Muon's Newton-Schulz, Adafactor's factored moments) computes something else there. "
+            "Put it in the list, options={'optimizer': [opt, other_opt], ...}: an elementwise optimizer (SGD, "
+            "AdamW, ...) is then sharded, one that is not is refused with the reason. To train those parameters "
+            "with Muon, train without data_parallel.")
+    if options.clip_grad_norm is not None:
+        raise OptpassError(
+            f"clip_grad_norm: {what} steps parameter(s) {names}: options 'clip_grad_norm' clips the gradients of "
+            f"the optimizers in options['optimizer'] only, by the norm of those alone: this optimizer's gradients "
+            "would go unclipped and be left out of the norm. List both optimizers: options={'optimizer': "
+            "[opt, other_opt], 'clip_grad_norm': max_norm, ...} (each parameter in one of them); the norm and "
+            "the clipping then cover every listed optimizer's gradients, as clip_grad_norm_(model.parameters()).")
     key = (where.file, where.line) if where is not None else None
     if key in _WARNED_UNLISTED:
         return
     _WARNED_UNLISTED.add(key)
     warn_at_user_line(
-        f"optpass: an optimizer that is not in options['optimizer'] ({listed}) steps parameter(s) {names}{at}: "
+        f"optpass: {what} steps parameter(s) {names}: "
         "optpass does not handle its update, which runs after backward as written (their gradients stay "
         "alive until then, and no option of optpass applies to it). Put it in the list: "
         "options={'optimizer': [opt, other_opt], ...} (each parameter in one of them).", UserWarning, where)
+
+
+def _class_of_optimizer_holding(param: torch.Tensor, listed) -> str:
+    """The class name of the live torch.optim optimizer, other than those listed, whose param_groups
+    hold `param` (the update graph's sources name the optimizer only by Dynamo's frame variables,
+    gone by now): one pass over the objects the garbage collector tracks, on this refusal or warning's
+    path only. "an optimizer" if none is found."""
+    skip = {id(o) for o in getattr(listed, "optimizers", [listed])}
+    for obj in gc.get_objects():
+        if (issubclass(type(obj), torch.optim.Optimizer) and id(obj) not in skip
+                and any(p is param for group in obj.param_groups for p in group["params"])):
+            return type(obj).__name__
+    return "an optimizer"
 
 
 def _optimizer_step_line(captured: CapturedGraph) -> SourceLine | None:

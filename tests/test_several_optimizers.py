@@ -164,8 +164,8 @@ def test_an_optimizer_stepped_in_the_step_but_not_in_options_is_warned_with_its_
             step(*batch(i))
     messages = [str(w.message) for w in caught if "not in options['optimizer']" in str(w.message)]
     assert len(messages) == 1, messages
-    assert "(AdamW) steps parameter(s) 2.weight at" in messages[0]
-    assert "first.step()" in messages[0] and "Put it in the list" in messages[0]
+    assert "optpass: Muon at " in messages[0] and " in train_step: first.step(), an optimizer" in messages[0]
+    assert "(which holds AdamW), steps parameter(s) 2.weight:" in messages[0] and "Put it in the list" in messages[0]
     assert caught[[str(w.message) for w in caught].index(messages[0])].filename == __file__
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert rel(p, q) <= 1e-5
@@ -267,9 +267,9 @@ def _errors(results, name):
 
 @pytest.mark.parametrize("name, message", [
     # Muon's Newton-Schulz ran on each rank's rows: parameters 10-20% from one process after 4-5 steps
-    ("fsdp_muon_beside_adamw", r"data_parallel='fsdp': an optimizer that is not in options\['optimizer'\] \(AdamW\) "
-                               r"steps parameter\(s\) 2\.weight at .*several_optimizers_workers\.py:\d+ in train_step: "
-                               r"first\.step\(\).*Put it in the list"),
+    ("fsdp_muon_beside_adamw", r"data_parallel='fsdp': Muon at .*several_optimizers_workers\.py:\d+ in train_step: "
+                               r"first\.step\(\), an optimizer that is not in options\['optimizer'\] \(which holds "
+                               r"AdamW\), steps parameter\(s\) 2\.weight: .*Put it in the list"),
     ("fsdp_sgd_beside_adamw", r"an optimizer that is not in options\['optimizer'\].*Put it in the list"),
     ("zero1_muon_beside_adamw", r"data_parallel='zero1': parameter\(s\) .*2\.weight get gradients in this step "
                                 r"but are not in the optimizer.*Muon beside AdamW"),

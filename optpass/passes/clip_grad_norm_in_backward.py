@@ -67,8 +67,16 @@ def run(step, options) -> str | None:
         return "no fused update in this compile (first step or accumulation micro-step)"
     masters = set(getattr(plan, "master_index", ()))
     clip_fused_gradients(step, list(plan.harvested.updates), float(plan.clip_grad_norm),
-                         in_backward=plan.in_backward, to_fp32=masters)
+                         in_backward=plan.in_backward, to_fp32=masters,
+                         eager_order=optimizer_order(step, options.optimizer) if options.lower == "eager" else None)
     return None
+
+
+def optimizer_order(step, optimizer) -> list[str]:
+    """The names of the step's parameters in the optimizer's ``param_groups`` order (of a list, the
+    members' in turn): the order of the norms ``clip_grad_norm_(params)`` stacks."""
+    name_of = {id(p.tensor): p.name for p in step.captured.params if p.tensor is not None}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in name_of]
 
 
 def summed_over_the_ranks_shards(step, names: list[str], local: torch.fx.Node) -> torch.fx.Node:
@@ -87,13 +95,31 @@ def summed_over_the_ranks_shards(step, names: list[str], local: torch.fx.Node) -
     return step.emit(_c10d.wait_tensor.default, total)
 
 
+def two_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
+    """linalg_vector_norm(value, 2): the op clip_grad_norm_ computes each norm with (``_foreach_norm``
+    on CPU is this op per tensor)."""
+    return emit(aten.linalg_vector_norm.default, value, 2.0)
+
+
+def _sharded(step, names: list[str]) -> bool:
+    tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
+    return any(shard_spec(tensors.get(name)) is not None for name in names)
+
+
 def fused_update_plan(step):
     """The update plan of this compile: optimizer_in_backward's or master_weights' (None: no fused update)."""
     return step.context.get(OPTIMIZER_UPDATE) or step.context.get(MASTER_UPDATE)
 
 
 def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: bool = True,
-                         to_fp32: set[str] = frozenset()) -> None:
+                         to_fp32: set[str] = frozenset(), eager_order: list[str] | None = None) -> None:
+    """Scale each fused gradient of `names` by clip_grad_norm_'s coefficient.
+
+    With `eager_order` (the eager lowering) the norm is computed with ``clip_grad_norm_``'s own ATen
+    ops, each gradient's 2-norm then the 2-norm of those stacked in that order, so that it rounds as
+    eager's bitwise; else as a sum of squared norms, which Inductor fuses into each gradient's kernel
+    (``linalg_vector_norm`` is decomposed into that before Inductor's post-grad passes). A norm over
+    fsdp's shards is a sum of squares in either lowering (one all-reduce of a scalar)."""
     graph = step.graph
     emit = step.emit
     for name in names:                         # Megatron clips the masters' fp32 gradients
@@ -104,18 +130,25 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
     values = {name: gradient_value(step.gradient_nodes[name]) for name in names}
     readers = {name: set(value.users) for name, value in values.items()}
     step.annotate_regions()
+    exact = eager_order is not None and not _sharded(step, names)
+    reduce = two_norm if exact else squared_norm
     if in_backward:
-        # The norm-only backward: each gradient's copy squared and summed as soon as it exists.
+        # The norm-only backward: each gradient's copy reduced to its norm as soon as it exists.
         first = first_backward(step, list(values.values()))
-        squares = [reduce_after(step, copy, squared_norm) for copy in in_graph_order(
-            graph, [first.copies[value] for value in values.values()])]
+        reduced = {value: reduce_after(step, first.copies[value], reduce) for value in values.values()}
         at = first.end
     else:
-        squares = [reduce_after(step, value, squared_norm) for value in in_graph_order(graph, values.values())]
+        reduced = {value: reduce_after(step, value, reduce) for value in values.values()}
         at = step.output_node
     with graph.inserting_before(at):
-        total = summed_over_the_ranks_shards(step, names, sum_all(emit, squares))
-        norm = emit(aten.sqrt.default, total)
+        if exact:
+            ordered = [values[name] for name in eager_order if name in values]
+            ordered += [value for value in in_graph_order(graph, values.values()) if value not in ordered]
+            norm = two_norm(emit, emit(aten.stack.default, [reduced[value] for value in ordered]))
+        else:
+            squares = [reduced[value] for value in in_graph_order(graph, values.values())]
+            total = summed_over_the_ranks_shards(step, names, sum_all(emit, squares))
+            norm = emit(aten.sqrt.default, total)
         coef = clip_coefficient(emit, norm, max_norm)
     write_grad_norm(step, norm)              # what clip_grad_norm_ returns: optpass.grad_norm(opt)
     # Each fused gradient is scaled before its update reads it: inside backward right after the
