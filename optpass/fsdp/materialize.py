@@ -112,6 +112,9 @@ def initializing(shard: torch.Tensor) -> bool:
 def full_for_initialization(shard: torch.Tensor, spec) -> torch.Tensor:
     """The full parameter gathered eagerly from every rank's shard, as a temporary whose rows go back
     to ``shard`` when it dies: what reading ``module.weight`` gives while the model is initialized."""
+    for older in list(_ALIVE):        # one still alive (held by a reference cycle) writes back first,
+        if older.__dict__.get("_optpass_target", (None,))[0] is shard:      # not over this one later
+            older.write_back()
     pieces = torch.empty(spec.chunk * spec.world, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
     with torch.no_grad():
         # one broadcast per rank into its rows of the full tensor: nothing but the full tensor is
