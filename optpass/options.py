@@ -227,6 +227,15 @@ class _StateOfSeveral:
     def values(self):
         return [values for o in self.optimizers for values in o.state.values()]
 
+    def items(self):
+        return [item for o in self.optimizers for item in o.state.items()]
+
+    def keys(self):
+        return [p for o in self.optimizers for p in o.state.keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
     def __len__(self) -> int:
         return sum(len(o.state) for o in self.optimizers)
 

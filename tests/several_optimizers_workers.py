@@ -169,6 +169,48 @@ def zero1_list_stepped_in_a_loop(rank, world):
     return {}
 
 
+def zero1_list_checkpoint_resumes(rank, world):
+    """A list under zero1, saved with save_sharded_checkpoint after 2 steps, loaded into fresh
+    optimizers (the model's parameters from its state_dict, as a user keeps them), then 2 steps:
+    equal to 4 uninterrupted steps. The same with a fully sharded model is refused."""
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix="optpass-list-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    runs = {}
+    for resumed in (False, True):
+        torch._dynamo.reset()
+        model = mlp()
+        opts = list(two_optimizers(model, "sgd"))
+        step = torch.compile(step_of(model, *opts), backend="optpass",
+                             options={"optimizer": opts, "data_parallel": "zero1", "lower": "eager"})
+        for i in range(2):
+            x, y = batch(i, world)
+            step(mine(x, rank, world), mine(y, rank, world))
+        if resumed:
+            optpass.save_sharded_checkpoint(path[0], opts, model=model)
+            saved = copy.deepcopy(model.state_dict())
+            torch._dynamo.reset()
+            model = mlp()
+            model.load_state_dict(saved)
+            opts = list(two_optimizers(model, "sgd"))
+            step = torch.compile(step_of(model, *opts), backend="optpass",
+                                 options={"optimizer": opts, "data_parallel": "zero1", "lower": "eager"})
+            optpass.load_sharded_checkpoint(path[0], opts, model=model)
+        for i in range(2, 4):
+            x, y = batch(i, world)
+            step(mine(x, rank, world), mine(y, rank, world))
+        runs[resumed] = copy.deepcopy(model.state_dict())
+    result = {"resumed_vs_uninterrupted": max((runs[True][k] - v).abs().max().item() for k, v in runs[False].items())}
+    model = mlp()
+    optpass.fully_shard(model)
+    try:
+        optpass.save_sharded_checkpoint(path[0] + "-fsdp", list(two_optimizers(model, "sgd")), model=model)
+    except optpass.OptpassError as error:
+        result["fsdp_list"] = str(error)
+    return result
+
+
 def _state_elements(states) -> int:
     return sum(value.numel() for state in states for value in state.values()
                if isinstance(value, torch.Tensor) and value.dim() > 0)

@@ -248,7 +248,7 @@ def test_a_list_that_is_not_one_optimizer_per_parameter_is_an_error(optimizers, 
 PROGRAMS = ["fsdp_muon_beside_adamw", "fsdp_sgd_beside_adamw", "zero1_muon_beside_adamw",
             "fsdp_list_of_sgd_and_adamw", "fsdp_list_of_sgd_and_adamw_in_backward", "fsdp_list_of_muon_and_adamw",
             "zero1_list_of_sgd_and_adamw", "zero1_list_of_sgd_and_adamw_in_backward", "zero1_list_of_muon_and_adamw",
-            "zero1_list_with_clip_grad_norm", "zero1_list_stepped_in_a_loop"]
+            "zero1_list_with_clip_grad_norm", "zero1_list_stepped_in_a_loop", "zero1_list_checkpoint_resumes"]
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +314,11 @@ def test_zero1_with_a_list_and_clip_grad_norm_gives_each_optimizer_the_global_no
         for expected, first, second in found["norms"]:
             assert expected > 0.05                      # every step clips
             assert abs(first - expected) <= 1e-12 * expected and first == second, found["norms"]
+
+
+def test_a_zero1_list_saved_and_loaded_resumes_as_if_uninterrupted(two_ranks):
+    for result in two_ranks:
+        got = result["zero1_list_checkpoint_resumes"]
+        assert "error" not in got, got["error"]
+        assert got["resumed_vs_uninterrupted"] == 0.0, got
+        assert "a list of optimizers with a fully sharded model is not supported" in got["fsdp_list"], got

@@ -60,7 +60,7 @@ def test_an_optimizer_over_part_of_a_trainable_model_is_refused_with_the_fix(ran
 @pytest.mark.parametrize("program, what", [
     ("clip_on_rank_zero_only", "option clip_grad_norm is 1.0 on rank 0 but None on rank 1"),
     ("in_backward_on_rank_zero_only", "option optimizer_in_backward is True on rank 0 but False on rank 1"),
-    ("lr_tensor_differs", "param group 0 'lr' is '0.05000000074505806' on rank 0 but '0.10000000149011612' on rank 1"),
+    ("lr_tensor_differs", "param group 0 'lr' is '0.05' on rank 0 but '0.1' on rank 1"),
     ("grad_scaler_on_rank_zero_only", "option grad_scaler is"),
 ])
 def test_options_that_differ_across_ranks_fail_every_rank_alike_at_the_first_compile(ranks, program, what):

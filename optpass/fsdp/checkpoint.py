@@ -213,6 +213,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         OptpassError: neither a fully sharded model nor a zero1 optimizer; optimizer state that is
             neither elementwise nor a scalar.
     """
+    optimizer = _one_optimizer(optimizer, model)
     if model is None or not sharded_parameters(model):
         if optimizer is None:
             raise OptpassError("save_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
@@ -220,6 +221,21 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         return
     group = sharded_parameters(model)[0][2].group
     dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=checkpoint_id, process_group=group)
+
+
+def _one_optimizer(optimizer, model=None):
+    """The optimizers of a step given as a list (``options={"optimizer": [a, b]}``) seen as one: zero1
+    saves and loads each member's shards; a fully sharded model's list is refused."""
+    if not isinstance(optimizer, (list, tuple)):
+        return optimizer
+    if model is not None and sharded_parameters(model):
+        raise OptpassError("save_sharded_checkpoint / load_sharded_checkpoint: a list of optimizers with a fully "
+                           "sharded model is not supported (zero1's list is): save the model's parameters with "
+                           "optpass.full_state_dict(model) or a checkpoint of the model alone "
+                           "(save_sharded_checkpoint(path, model=model)), and train the list from them.")
+    from optpass.options import OptimizerList
+
+    return OptimizerList.of(optimizer)
 
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
@@ -241,6 +257,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         OptpassError: neither a fully sharded model nor an optimizer; the checkpoint lacks a
             parameter or holds other param groups.
     """
+    optimizer = _one_optimizer(optimizer, model)
     if model is None or not sharded_parameters(model):
         if optimizer is None:
             raise OptpassError("load_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")

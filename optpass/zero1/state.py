@@ -393,6 +393,19 @@ def sharded_state(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
     return sharded
 
 
+def _shortest(value: torch.Tensor) -> float:
+    """A one-element tensor's value as the shortest float that rounds back to it in its dtype (a float32
+    lr of 0.1 reads 0.1, not 0.10000000149011612); distinct values stay distinct."""
+    exact = float(value)
+    if not value.is_floating_point() or value.dtype == torch.float64:
+        return exact
+    for digits in range(1, 18):
+        candidate = float(f"{exact:.{digits}g}")
+        if torch.tensor(candidate, dtype=value.dtype) == value.detach().reshape(()).cpu():
+            return candidate
+    return exact
+
+
 def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: int,
               names: dict[int, str] | None = None,
               master_dtype: torch.dtype | None = None) -> list[tuple[str, Any]]:
@@ -404,7 +417,7 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
                                     ("master_weights", str(master_dtype)),
                                     ("param groups", len(optimizer.param_groups))]
     for g, group in enumerate(optimizer.param_groups):
-        settings = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+        settings = {k: (_shortest(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
                     for k, v in group.items() if k not in ("params", "initial_lr")}
         items += [(f"param group {g} {key!r}", repr(value)) for key, value in sorted(settings.items())]
         items.append((f"param group {g} size", len(group["params"])))
