@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo,  # noqa: E402
-                      run_ranks)
+                      run_ranks, training_step)
 
 _MB = 2 ** 20
 
@@ -54,17 +54,12 @@ def rank_main(args) -> None:
         model.init_weights()
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
 
-    def step(tokens):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
+    step = training_step(lambda tokens, labels: model(input_ids=tokens, labels=labels).loss, opt)
     compiled = torch.compile(step, backend="optpass",
                              options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
     with live.mark("first_step"):
-        compiled(torch.randint(0, args.vocab, (args.batch, args.seq)))
+        compiled(tokens, tokens)
     counted = live.stop()
     full = [shard_spec(p).numel * p.element_size() for p in model.parameters()]
     emit_result({"rank": args.rank, "build_peak_bytes": counted["marks"]["build"]["peak_bytes"],
