@@ -44,6 +44,8 @@ _ALIVE: "weakref.WeakSet[_WrittenBack]" = weakref.WeakSet()
 # ``model.parameters()``, which yields the shards) drew values for the shard's shape, not the full one's
 _VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _WRITTEN_DIRECTLY: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+# every module passed to fully_shard, in the order of the calls (the same on every rank)
+_ROOTS: "list[weakref.ref[torch.nn.Module]]" = []
 
 
 def mark_written(shard: torch.Tensor, loaded: bool = False) -> None:
@@ -177,7 +179,7 @@ def finish_initialization(root: torch.nn.Module) -> None:
             f"their initialization ({', '.join(direct[:4])}{', ...' if len(direct) > 4 else ''}), through "
             "model.parameters() / named_parameters(), which yield this rank's shards: an init function drew "
             "values for the shard's shape there, not the rows of the full parameter, so the model would not be "
-            "what the same code gives on one device (Hugging Face GPT-2's init of c_proj.weight does this). "
+            "what the same code gives on one device. "
             "Initialize through the module's attribute (module.weight, which writes the shards' rows), or load "
             "the weights: optpass.load_full_state_dict(model, checkpoint) after initializing, or build the "
             "model on the CPU and fully_shard it.")
@@ -198,7 +200,8 @@ def finish_initialization(root: torch.nn.Module) -> None:
                 dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
     for _, p in shards:
         del _INITIALIZING[p]
-    _META_BUFFERS.pop(root, None)
+    for module in root.modules():           # blocks sharded before it: their buffers are root's too
+        _META_BUFFERS.pop(module, None)
 
 
 def write_back_alive() -> None:
@@ -209,20 +212,23 @@ def write_back_alive() -> None:
 
 
 def finish_all(shards) -> None:
-    """End the initialization of every model a compiled step trains (its shards ``shards``)."""
+    """End the initialization of every model a compiled step trains (its shards ``shards``): each
+    outermost module passed to ``fully_shard`` (a block sharded before its model ends with it), in the
+    order of the calls, so that every rank runs the buffers' broadcasts in the same order."""
     if not any(s in _INITIALIZING for s in shards):
         return
-    roots = {id(r): r for r in _ROOTS if any(p in _INITIALIZING for p in r.parameters())}
-    for root in roots.values():
-        finish_initialization(root)
+    roots = [r for r in (ref() for ref in _ROOTS) if r is not None
+             and any(p in _INITIALIZING for p in r.parameters())]
+    for root in roots:
+        if not any(other is not root and any(m is root for m in other.modules()) for other in roots):
+            finish_initialization(root)
 
 
 def _written_rows_have_nan(shard: torch.Tensor, spec) -> bool:
     return bool(shard[:spec.valid].isnan().any())
 
 
-_ROOTS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
 def track_root(root: torch.nn.Module) -> None:
-    _ROOTS.add(root)
+    """Remember a module passed to ``fully_shard`` (weakly), in call order."""
+    _ROOTS[:] = [ref for ref in _ROOTS if ref() is not None]
+    _ROOTS.append(weakref.ref(root))

@@ -42,11 +42,10 @@ class SafetensorsSource:
             raise OptpassError("load_full_state_dict from .safetensors files needs the safetensors "
                                "package: pip install safetensors") from error
         self.path = os.fspath(path)
-        self.file_of = self._index()          # key -> file
+        self._handles: dict[str, object] = {}     # file -> its open (mapped) safetensors handle
+        self.file_of = self._index()              # key -> file
 
     def _index(self) -> dict[str, str]:
-        from safetensors import safe_open
-
         path = self.path
         if os.path.isfile(path):
             files = [path]
@@ -63,28 +62,29 @@ class SafetensorsSource:
                                "nor a directory of them.")
         file_of = {}
         for file in files:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    file_of.setdefault(key, file)
+            for key in self._handle(file).keys():
+                file_of.setdefault(key, file)
         return file_of
 
     def keys(self) -> set[str]:
         return set(self.file_of)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        with self._open(key) as f:
-            return tuple(f.get_slice(key).get_shape())
+        return tuple(self._handle(self.file_of[key]).get_slice(key).get_shape())
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` along dim 0 of the stored tensor (a 0-d tensor as one row)."""
-        with self._open(key) as f:
-            piece = f.get_slice(key)
-            return piece[start:stop] if len(piece.get_shape()) else f.get_tensor(key).reshape(1)[start:stop]
+        f = self._handle(self.file_of[key])
+        piece = f.get_slice(key)
+        return piece[start:stop] if len(piece.get_shape()) else f.get_tensor(key).reshape(1)[start:stop]
 
-    def _open(self, key: str):
-        from safetensors import safe_open
+    def _handle(self, file: str):
+        """The file opened once (its header read once) for every read of this load."""
+        if file not in self._handles:
+            from safetensors import safe_open
 
-        return safe_open(self.file_of[key], framework="pt")
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file]
 
 
 def match_names(model: torch.nn.Module, own: dict[str, torch.Tensor],

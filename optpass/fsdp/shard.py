@@ -157,11 +157,11 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         ``module``, its parameters now shards.
 
     Raises:
-        OptpassError: torch.distributed is not initialized; ``fully_shard``
-            was called on this module already, or on a module around it before it; a block was
-            sharded over another group or with another ``reshard_after_forward``; a weight tied
-            between a block sharded first and the rest of the model; the ranks hold different models (names, shapes or dtypes differ;
-            every rank raises it).
+        OptpassError: torch.distributed is not initialized; ``fully_shard`` was called on this
+            module already, or on a module around it before it; a block was sharded over another
+            group or with another ``reshard_after_forward``; a weight is tied between a block
+            sharded first and the rest of the model; the ranks hold different models (names,
+            shapes or dtypes differ; every rank raises it).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise OptpassError("optpass.fully_shard needs torch.distributed: call "
@@ -206,9 +206,9 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
 
 class _KeepsShardsThroughApply:
     """Mixed into the class of a module passed to ``fully_shard``: ``to_empty``, ``.to()``,
-    ``.float()`` (``Module._apply``) give each module new parameter objects; the shards' specs follow
-    them, tied parameters stay one object, and shards that come off the meta device start their
-    initialization (``optpass.fsdp.materialize``)."""
+    ``.float()`` (``Module._apply``) give each module new parameter objects (tied ones untied, as
+    without sharding); the shards' specs follow them, and shards that come off the meta device start
+    their initialization (``optpass.fsdp.materialize``)."""
 
     def get_parameter(self, target: str) -> torch.nn.Parameter:
         """The registered parameter (a shard), as ``named_parameters()`` yields it: reading it as an
@@ -230,8 +230,6 @@ class _KeepsShardsThroughApply:
                 group_name = collective_group_name(spec.group, shard.device.type)
                 if group_name != spec.group_name:
                     _SPECS[shard] = spec = dataclasses.replace(spec, group_name=group_name)
-                    if shard in materialize._INITIALIZING:
-                        materialize._INITIALIZING[shard] = spec
                 gathering[n] = (spec.rows, spec.shape, spec.world, spec.group_name)
         return result
 
@@ -287,23 +285,19 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
     rank's rows of it as a new parameter: no copy of the whole parameter is made."""
     value = full.detach()
-    if value.is_meta:                           # shapes only: the shard's values come with its initialization
-        rows = value.shape[0] if value.dim() else 1
-        chunk = max(1, math.ceil(rows / world))
-        shard = torch.nn.Parameter(value.new_empty(chunk, *value.shape[1:]), requires_grad=full.requires_grad)
-        _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
-                                  collective_group_name(group, "cpu"), reshard_after_forward, unit)
-        return shard
-    dist.broadcast(value, dist.get_global_rank(group, 0), group=group)
     rows_of = value.reshape(1) if value.dim() == 0 else value
     rows = rows_of.shape[0]
     chunk = max(1, math.ceil(rows / world))
-    mine = rows_of[min(rank * chunk, rows):min((rank + 1) * chunk, rows)]
-    padding = rows_of.new_zeros(chunk - mine.shape[0], *rows_of.shape[1:])
-    shard = torch.nn.Parameter(torch.cat([mine, padding]) if padding.shape[0] else mine.clone(),
-                               requires_grad=full.requires_grad)
+    if value.is_meta:        # shapes only: the shard's values come with its initialization, on its device
+        data, device_type = rows_of.new_empty(chunk, *rows_of.shape[1:]), "cpu"
+    else:
+        dist.broadcast(value, dist.get_global_rank(group, 0), group=group)
+        mine = rows_of[min(rank * chunk, rows):min((rank + 1) * chunk, rows)]
+        padding = rows_of.new_zeros(chunk - mine.shape[0], *rows_of.shape[1:])
+        data, device_type = torch.cat([mine, padding]) if padding.shape[0] else mine.clone(), value.device.type
+    shard = torch.nn.Parameter(data, requires_grad=full.requires_grad)
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
-                              collective_group_name(group, value.device.type), reshard_after_forward, unit)
+                              collective_group_name(group, device_type), reshard_after_forward, unit)
     return shard
 
 
