@@ -616,7 +616,7 @@ def _class_of_optimizer_holding(param: torch.Tensor, listed) -> str:
     hold `param` (the update graph's sources name the optimizer only by Dynamo's frame variables,
     gone by now): one pass over the objects the garbage collector tracks, on this refusal or warning's
     path only. "an optimizer" if none is found."""
-    skip = {id(o) for o in getattr(listed, "optimizers", [listed])}
+    skip = {id(o) for o in optimizers_of(listed)}
     for obj in gc.get_objects():
         if (issubclass(type(obj), torch.optim.Optimizer) and id(obj) not in skip
                 and any(p is param for group in obj.param_groups for p in group["params"])):

@@ -18,7 +18,10 @@ that names the ops and the fix (``random_ops_in_checkpoint_refused``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
 import os
 from typing import Any, Callable
 
@@ -27,6 +30,7 @@ import torch.fx
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from optpass import passes
 from optpass.passes import _row_chunks, reshard_after_forward
@@ -103,19 +107,12 @@ class _PipelineRecord:
     records existed (or whose record was removed) reports ``from_cache`` with no passes."""
 
     def __init__(self, gm, example_inputs, key: str):
-        import hashlib
-
         inputs = [(tuple(map(str, x.shape)), tuple(map(str, x.stride())), str(x.dtype), x.device.type)
                   if isinstance(x, torch.Tensor) else repr(type(x)) for x in example_inputs]
         digest = hashlib.sha256(repr((_source_hash().hex(), key, gm.code, inputs)).encode()).hexdigest()
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
         self.path = os.path.join(cache_dir(), "optpass_pipeline", digest[:40] + ".json")
 
     def save(self, report: GraphReport) -> None:
-        import dataclasses
-        import json
-
         data = {"passes": [dataclasses.asdict(p) for p in report.passes], "regions": report.regions,
                 "aten_ops_before": report.aten_ops_before, "aten_ops_after": report.aten_ops_after}
         try:
@@ -128,8 +125,6 @@ class _PipelineRecord:
             pass                          # a read-only cache: the next cache hit reports no passes
 
     def load_into(self, report: GraphReport) -> None:
-        import json
-
         report.from_cache = True
         try:
             with open(self.path) as f:
