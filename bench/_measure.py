@@ -16,7 +16,8 @@ no debug logging), the child calls ``emit_result(dict)`` and the parent gets tha
 processes added; ``run_ranks(cmd, world, ...)`` starts ``world`` gloo ranks of one job on a free
 port (``--rank R --port P``; the child calls ``init_gloo``). ``graph_count()`` and
 ``training_step(loss_of, opt)`` are the child side's count of compiled graphs and the supported
-step shape.
+step shape; ``MemoryCap(cap_bytes)`` ends a child whose peak RSS passes a cap, with
+``OVER_CAP_EXIT``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 RESULT_PREFIX = "RESULT:"
 # environment variables that make a child log or skip its caches: never passed to one
 DEBUG_VARS = ("TORCH_COMPILE_DEBUG", "TORCH_TRACE", "TORCH_LOGS", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
 _POLL_S = 0.1   # with several children: how often each is checked for an early failure
+OVER_CAP_EXIT = 86   # the exit status of a child that MemoryCap ended
 
 
 def proc_status_kib(field: str) -> int:
@@ -57,6 +60,39 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+class MemoryCap:
+    """Child side: end this process at once when its peak RSS passes ``cap_bytes``, so that a model
+    too large for the cap fails within a fraction of a second instead of swapping or waking the
+    kernel's OOM killer.
+
+    ``start()`` runs a daemon thread that reads ``VmHWM`` (the peak RSS, so that a spike between
+    two reads counts too) every ``interval_s``; past the cap it writes ``{"rss_bytes",
+    "cap_bytes", "phase"}`` and what ``details()`` returns (if given: a dict) as JSON to
+    ``report_path`` (if given; ``phase`` is whatever the child last set) and calls
+    ``os._exit(OVER_CAP_EXIT)``: no cleanup, nothing the child could catch. RSS, not
+    ``RLIMIT_AS``: torch reserves far more virtual memory than it touches."""
+
+    def __init__(self, cap_bytes: int, report_path: str | None = None, interval_s: float = 0.05,
+                 details=None) -> None:
+        self.cap_bytes, self.report_path, self.interval_s, self.details = cap_bytes, report_path, interval_s, details
+        self.phase = "start"
+
+    def start(self) -> "MemoryCap":
+        threading.Thread(target=self._watch, name="memory-cap", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while True:
+            peak = proc_status_kib("VmHWM") * 1024
+            if peak > self.cap_bytes:
+                if self.report_path:
+                    with open(self.report_path, "w") as f:
+                        json.dump({"rss_bytes": peak, "cap_bytes": self.cap_bytes, "phase": self.phase,
+                                   **(self.details() if self.details else {})}, f)
+                os._exit(OVER_CAP_EXIT)
+            time.sleep(self.interval_s)
 
 
 def cpu_busy_s() -> float | None:
@@ -463,6 +499,11 @@ class CPUTensorBytes:
                 self._marks[name] = {"peak_bytes": window_peak, "end_bytes": live,
                                      "allocations": (first, allocations)}
         return measured()
+
+    def so_far(self) -> dict:
+        """``live_bytes`` and ``peak_bytes`` (since ``start()``) now, on any thread; counting goes on."""
+        live, _, run_peak, _, _ = self._ext.counters()
+        return {"live_bytes": live, "peak_bytes": run_peak}
 
     def stop(self) -> dict:
         """``peak_bytes``, ``end_bytes``, ``allocations``, per mark ``{name: {"peak_bytes",

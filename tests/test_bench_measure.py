@@ -171,12 +171,26 @@ def test_print_json_prints_the_brief_and_writes_the_whole(tmp_path, capsys):
     assert json.loads(path.read_text()) == {"a": 1, "raw": [2]}
 
 
+def test_memory_cap_ends_a_child_soon_after_its_peak_rss_passes_the_cap(tmp_path):
+    report = tmp_path / "over_cap.json"
+    started = time.perf_counter()
+    with pytest.raises(measure.ChildError) as ended:
+        measure.run_child(measure.child_command(__file__, mode="cap", report=str(report)), _env(), timeout=120)
+    assert ended.value.returncode == measure.OVER_CAP_EXIT, ended.value.stderr
+    assert "64 MiB under the cap: kept" in ended.value.stdout and "grew past" not in ended.value.stdout
+    over = json.loads(report.read_text())
+    assert over["phase"] == "growing" and over["rss_bytes"] > over["cap_bytes"] and over["blocks"] > 1
+    assert over["rss_bytes"] < over["cap_bytes"] + (256 << 20)      # ended on the way to 1 GiB more
+    assert time.perf_counter() - started < 60
+
+
 def _child(argv) -> None:
     """The children of the tests above, as a bench's children are: flags in, emit_result out."""
     p = argparse.ArgumentParser()
     p.add_argument("--mode")
     p.add_argument("--fail-rank", type=int, default=None)
-    from _measure import add_rank_flags, emit_result, init_gloo
+    p.add_argument("--report")
+    from _measure import MemoryCap, add_rank_flags, emit_result, init_gloo, proc_status_kib
 
     add_rank_flags(p)
     args = p.parse_args(argv)
@@ -191,6 +205,17 @@ def _child(argv) -> None:
         sys.exit(3)
     elif args.mode == "sleep":
         time.sleep(600)
+    elif args.mode == "cap":
+        kept = [b"x" * (64 << 20)]                # written, so resident: under the cap
+        cap = MemoryCap(proc_status_kib("VmHWM") * 1024 + (64 << 20), args.report,
+                        details=lambda: {"blocks": len(kept)}).start()
+        time.sleep(0.3)
+        print("64 MiB under the cap: kept", flush=True)
+        cap.phase = "growing"
+        for _ in range(64):                       # 1 GiB more, 16 MiB at a time
+            kept.append(b"x" * (16 << 20))
+            time.sleep(0.01)
+        print(f"grew past the cap: {len(kept)} blocks", flush=True)
     elif args.mode == "rank":
         if args.rank == args.fail_rank:
             sys.exit(f"rank {args.rank} gives up")
