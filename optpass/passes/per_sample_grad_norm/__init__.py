@@ -1,5 +1,5 @@
-"""Pass per_sample_grad_norm: DP-SGD's per-sample Linear and Embedding weight gradients without
-[B, out, in] / [B, vocab, d] tensors.
+"""Pass per_sample_grad_norm: DP-SGD's per-sample Linear, Embedding and convolution weight gradients
+without [B, out, in] / [B, vocab, d] / [B, out, in/groups, *k] tensors.
 
 Precondition: a graph of a DP-SGD step written with ``torch.func.vmap(grad(...))``
 (docs/design.md §31) in which a weight's per-sample gradient P is used only (through
@@ -17,6 +17,9 @@ where P is one of
     (its decomposition), offsets = ``arange(0, B·vocab, vocab)`` viewed [B, 1, ..].
     ``nn.Embedding(padding_idx=p)`` shows up as a ``select_scatter`` of zeros into row p of
     the [B, vocab, d] view; it is followed and kept exact.
+  * Conv1d/2d/3d weight: vmap's batched weight gradient, ONE grouped
+    ``convolution_backward(g [N, B·out, *S'], x [N, B·in, *S], .., groups=B·groups)`` viewed
+    [B, out, in/groups, *k] (sample b owns channel blocks b; any stride, padding, dilation, groups).
 
 Rewrite, per such weight:
   * Linear: the squared norm becomes ``optpass::per_sample_grad_sq_norm(X, G, "auto")``
@@ -37,7 +40,14 @@ Rewrite, per such weight:
     ONE scatter of ``coef_b · g_bt`` over the B·T tokens into [vocab, d]: ``embedding_dense_backward(..,
     vocab, p, False)`` in the aten graph, ``index_put(zeros [vocab, d], [x], .., accumulate)``
     then ``select_scatter`` of zeros into row p in Inductor's graph (ops Inductor lowers).
-  After both, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
+  * Convolution: the squared norm becomes ``optpass::conv_per_sample_grad_sq_norm(x, g, ..)``
+    (optpass/kernels/conv_norm.py) on x and g viewed [B, N, C, *S]: a bounded chunk of samples at a
+    time, direct (the chunk's per-sample gradients) or ghost (Gram form over the unfolded patches,
+    Conv1d/2d), by the Linear rule over the output positions; the clipped sum becomes ONE weight
+    gradient ``convolution_backward(coef ⊙ g, x, .., groups)`` over the B·N rows. With
+    ``dp_materialize='auto'`` a convolution whose input and output gradient outweigh its weight
+    per sample (early CNN layers: few channels, a large image) is left materialized.
+  After each, P has no users and disappears: no [B, out, in] / [B, vocab, d] intermediate remains.
   * A weight used more than once (a tied embedding and output head, a Linear applied k times):
     its per-sample gradient is ``add(P1, P2)`` (a chain of them for k uses). Each part is a sum
     over its tokens of outer products
@@ -63,7 +73,9 @@ docs/dp_sgd.md's recipe pads batches to a few static sizes instead (``optpass.pa
 Effect: per-sample norms and the clipped sum cost O(B·T·(in + out)) memory instead of
 O(B·out·in) for a Linear weight, and O(B·T·d) plus a bounded chunk (Gram: O(B·T²·d)
 FLOPs; segment: O(B·T·d)) instead of O(B·vocab·d) for an Embedding weight, which is
-rewritten only when T < vocab (else the tokens' gradients it keeps are no smaller);
+rewritten only when T < vocab (else the tokens' gradients it keeps are no smaller), and
+for a convolution weight the layer's input and output gradient (which the backward holds)
+kept until the clip factors plus a bounded chunk, instead of O(B·out·in/groups·prod(k));
 numerics equal up to floating-point rounding.
 
 Already cheap, kept as they are (checked on TinyLM's traced graphs): a Linear bias's
@@ -87,6 +99,11 @@ bmm's and scatters that are not per-sample gradients.
       n = sum(pow(view(P, [B, -1]), 2), [1])     w = mm(t(view(G * c, [B*T, out])), view(X, [B*T, in]))
       w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))
 
+    before (Conv2d):                           after:
+      P = view(convolution_backward(g, x, .., groups=B)[1], [B, out, in, kh, kw])
+      n = sum(pow(view(P, [B, -1]), 2), [1])     n = conv_per_sample_grad_sq_norm(x', g', k, stride, ..)
+      w = bmm(view(c, [1, 1, B]), view(P, [1, B, -1]))   w = convolution_backward(g' * c, x', .., groups=1)[1]
+
     before (Embedding, aten graph):            after:
       P = embedding_dense_backward(g, x + b·V, B·V, -1, False)   # [B·V, d]
       P = select_scatter(view(P, [B, V, d]), 0, 1, pad)          n = embedding_per_sample_grad_sq_norm(x, g, pad)
@@ -99,17 +116,18 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.kernels import embedding_norm, per_sample_norm
+from optpass.kernels import conv_norm, embedding_norm, per_sample_norm
 from optpass.passes.per_sample_grad_norm.candidate import _Candidate, _contiguous, _shape
 from optpass.passes.per_sample_grad_norm.labels import _classify, _labelled_uses, _sum_feeds_dp_uses
 from optpass.passes.per_sample_grad_norm.linear import (_is_outer_product_over_tokens, _linear_candidate, _outermost_sums)
+from optpass.passes.per_sample_grad_norm.conv import _conv_candidate
 from optpass.passes.per_sample_grad_norm.embedding import _embedding_candidate
 from optpass.passes.per_sample_grad_norm.weights import differentiated_parameters, parameter_of
 
 aten = torch.ops.aten
 
 
-_REGISTERS_OPS = (embedding_norm, per_sample_norm)   # importing them registers torch.ops.optpass.*
+_REGISTERS_OPS = (conv_norm, embedding_norm, per_sample_norm)   # importing them registers torch.ops.optpass.*
 
 
 def run(step, options) -> str | None:
@@ -120,7 +138,7 @@ def run(step, options) -> str | None:
         if _is_outer_product_over_tokens(node):
             candidate = _linear_candidate(step, node, options.dp_materialize)
         else:
-            candidate = _embedding_candidate(step, node)
+            candidate = _embedding_candidate(step, node) or _conv_candidate(step, node, options.dp_materialize)
         if candidate is not None:
             candidates.append(candidate)
     # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
@@ -173,22 +191,24 @@ class _Names:
         """One per-sample gradient's line: its weight and whether it was rewritten, or why not."""
         if why_not == "":
             return                                                # no DP pattern
-        rows, columns = candidate.size_of["r"], candidate.size_of["c"]
+        dims = [candidate.size_of[a] for group in candidate.labels for a in group if a != "b"]
+        shape = ", ".join(map(str, dims))
         kinds = {kind for kind, _, _ in candidate.uses}
-        kind = "Embedding weight" if "Embedding" in kinds else "Linear weight"
+        kind = ("Embedding weight" if "Embedding" in kinds else f"Conv{len(dims) - 2}d weight" if "Conv" in kinds
+                else "Linear weight")
         tied = ", tied to a Linear (an output head)" if kinds == {"Embedding", "Linear"} else ""
         name = parameter_of(self.step, candidate.uses)
         if name is not None:
             self.named.add(name)
             frozen = ", requires_grad=False" if name in self.frozen else ""
-            layer = f"{name} ({kind} [{rows}, {columns}]{tied}{frozen})"
+            layer = f"{name} ({kind} [{shape}]{tied}{frozen})"
         else:
             same = []
-            if isinstance(rows, int) and isinstance(columns, int):
-                same = self.by_shape.get((rows, columns)) or self.by_shape.get((columns, rows)) or []
+            if all(isinstance(d, int) for d in dims):
+                same = self.by_shape.get(tuple(dims)) or self.by_shape.get(tuple(dims[::-1])) or []
             self.named.update(same)
-            layer = f"{kind} [{rows}, {columns}]{tied}" + (f" (one of {', '.join(same)})" if same else "")
-        outcome = (f"rewritten (norms without the [B, {rows}, {columns}] per-sample gradient, one clipped sum)"
+            layer = f"{kind} [{shape}]{tied}" + (f" (one of {', '.join(same)})" if same else "")
+        outcome = (f"rewritten (norms without the [B, {shape}] per-sample gradient, one clipped sum)"
                    if why_not is None else why_not)
         line = f"{layer}: {outcome}"
         self.counts[line] = self.counts.get(line, 0) + 1
@@ -254,9 +274,10 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
         else:
             _, result, coef, layout = kind
             with graph.inserting_before(result):
-                weight = candidate.clipped_sum(coef, state)                           # [R, C]
-                if layout == ("c", "r"):
-                    weight = _contiguous(emit, emit(aten.permute.default, weight, [1, 0]))
+                weight = candidate.clipped_sum(coef, state)                 # [R, C] or [R, C, *k]
+                order = tuple(a for group in candidate.labels for a in group if a != "b")
+                if layout != order:
+                    weight = _contiguous(emit, emit(aten.permute.default, weight, [order.index(a) for a in layout]))
                 if weight.meta["val"].dtype != result.meta["val"].dtype:
                     weight = emit(aten._to_copy.default, weight, dtype=result.meta["val"].dtype)
                 new = emit(aten.view.default, weight, _shape(result))

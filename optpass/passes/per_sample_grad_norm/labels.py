@@ -111,7 +111,7 @@ def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
         return None
     # clipped sum: bmm(coef [1, 1, B], v [1, B, r·c]) contracting b
     if user.target is aten.bmm.default and user.args[1] is value and len(labels) == 3 \
-            and labels[0] == () and labels[1] == ("b",) and set(labels[2]) == {"r", "c"}:
+            and labels[0] == () and labels[1] == ("b",) and _weight_atoms(labels[2]):
         coef = user.args[0]
         coef_shape = _shape(coef)
         if coef_shape is not None and coef_shape[:2] == [1, 1]:
@@ -126,9 +126,15 @@ def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
                 and math.prod(coef_shape) == size_of_batch(labels, coef_shape, batch_dims[0])
                 and {d % len(labels) for d in total.args[1]} == set(batch_dims)):
             rest = tuple(a for d, group in enumerate(labels) if d != batch_dims[0] for a in group)
-            if set(rest) == {"r", "c"}:
+            if _weight_atoms(rest):
                 return ("sum", total, coef, rest)
     return None
+
+
+def _weight_atoms(atoms) -> bool:
+    """Are ``atoms`` a whole weight's: rows, columns and a convolution's kernel dimensions (k0, k1, ..),
+    without the sample? (Views keep every atom, so these are all of the weight's.)"""
+    return {"r", "c"} <= set(atoms) and all(a in ("r", "c") or a.startswith("k") for a in atoms)
 
 
 def size_of_batch(labels: Labels, coef_shape: list[int], batch_dim: int) -> int:

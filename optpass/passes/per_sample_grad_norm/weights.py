@@ -6,6 +6,8 @@ torch.func.grad differentiates, both read off the dataflow (docs/design.md §21:
   X meets W in the forward ``X Wᵀ``. X alone can be shared (attention's q, k and v read one input),
   so G decides where it can.
 * An Embedding use: the ids index the forward ``embedding(W, ids)``.
+* A convolution use: its output gradient meets W in the input's gradient ``convolution_backward(g, x, W)``
+  (every layer but the first); its input x meets W in the forward ``convolution(x, W)``.
 * Differentiated: the parameters that reach ``torch.func.grad``'s ``_autograd_grad`` in the Dynamo
   graph (through ``detach`` and functorch's wrapping), so that a parameter that does not require grad
   but is differentiated (and clipped, and given a ``.grad``) can be named.
@@ -32,7 +34,7 @@ def parameter_of(step, uses: tuple[tuple[str, torch.fx.Node, torch.fx.Node | Non
 
     Args:
         step: the ``StepGraph`` being rewritten.
-        uses: per use, ("Linear", X, G) or ("Embedding", ids, None).
+        uses: per use, ("Linear", X, G), ("Conv", x, g) or ("Embedding", ids, None).
 
     Returns:
         The parameter's name, or None.
@@ -43,6 +45,8 @@ def parameter_of(step, uses: tuple[tuple[str, torch.fx.Node, torch.fx.Node | Non
         if kind == "Embedding":
             names = {by_node.get(_base(user.args[0])) for view in _views(first) for user in view.users
                      if user.target is aten.embedding.default and user.args[1] is view}
+        elif kind == "Conv":
+            names = _convolved_by_output_gradient(second, by_node) or _convolved_input(first, by_node)
         else:
             names = _weights_beside(second, by_node) or _weights_beside(first, by_node)
         names.discard(None)
@@ -60,6 +64,22 @@ def _weights_beside(activation: torch.fx.Node | None, by_node) -> set[str]:
     return {by_node[_base(other)] for view in views for user in view.users if user.target in _MATMULS
             for other in user.args[:3] if isinstance(other, torch.fx.Node) and other not in views
             and _base(other) in by_node}
+
+
+def _convolved_input(activation: torch.fx.Node, by_node) -> set[str]:
+    """The parameters a forward convolution applies to some view of ``activation``."""
+    views = _views(activation)
+    return {by_node[_base(user.args[1])] for view in views for user in view.users
+            if user.target is aten.convolution.default and user.args[0] is view and _base(user.args[1]) in by_node}
+
+
+def _convolved_by_output_gradient(gradient: torch.fx.Node, by_node) -> set[str]:
+    """The weights whose input gradient ``convolution_backward(g, x, W, ..)`` reads some view of g
+    (vmap's weight-gradient call passes an empty stand-in for W, which no parameter is the base of)."""
+    views = _views(gradient)
+    return {by_node[_base(user.args[2])] for view in views for user in view.users
+            if user.target is aten.convolution_backward.default and user.args[0] is view
+            and _base(user.args[2]) in by_node}
 
 
 def _base(node):
