@@ -102,6 +102,7 @@ def rank_main(args) -> None:
     with live.mark("build"):
         model, params = build_sharded(args.side, args)
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
+    rss_peak_until = {"build": proc_status_kib("VmHWM") * 1024}   # the peak RSS up to the end of each phase
     step = training_step(lambda tokens, labels: model(input_ids=tokens, labels=labels).loss, opt)
     if args.side != "fsdp2":
         options = {"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}
@@ -117,10 +118,14 @@ def rank_main(args) -> None:
             began = time.perf_counter()
             losses.append(step(tokens, tokens).item())
             times.append(time.perf_counter() - began)
+        rss_peak_until[f"step {i + 1}"] = proc_status_kib("VmHWM") * 1024
     counted = live.stop()
     emit_result({"rank": args.rank, "params": params, "live_peak_bytes": counted["peak_bytes"],
-                 "build_peak_bytes": counted["marks"]["build"]["peak_bytes"], "peak_in": counted["peak_in"],
+                 "peak_in": counted["peak_in"],
+                 "alive_at_peak_mib": [round(b / 2 ** 20, 1) for b in counted["alive_at_peak"][:8]],
+                 "live_peak_in": {name: m["peak_bytes"] for name, m in counted["marks"].items()},
                  "rss_start_bytes": rss_start, "rss_peak_bytes": proc_status_kib("VmHWM") * 1024,
+                 "rss_peak_until": rss_peak_until,
                  "first_step_s": times[0], "step_s": sum(times[1:]) / max(1, len(times) - 1), "losses": losses})
 
 
@@ -203,6 +208,15 @@ def row(t: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def phases_row(t: dict) -> str:
+    """Where a trained trial's memory went, worst rank per phase: peak RSS up to the end of the build,
+    of the first step (optpass compiles there) and of the last; the live-tensor peak in each."""
+    worst = lambda key: " / ".join(f"{max(r[key][p] for r in t['ranks']) / _GIB:.2f}"  # noqa: E731
+                                   for p in t["ranks"][0][key])
+    return (f"| {t['side']} | {t['layers']} | {worst('rss_peak_until')} | {worst('live_peak_in')} "
+            f"| {t['ranks'][0]['peak_in']}: {t['ranks'][0]['alive_at_peak_mib']} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cap-gib", type=float, default=2.5, help="each rank's RSS cap in GiB")
@@ -238,6 +252,12 @@ def main() -> None:
     for side in args.sides:
         i = largest(side, args, trials)
         best[side] = None if i is None else params_of(args.layers[i], args)
+    print("\n| side | layers | peak RSS GiB until the end of build / each step | live peak GiB in build / each step "
+          "| rank 0's peak: where, tensors of >= 1 MiB alive there (MiB) |")
+    print("|---|---|---|---|---|")
+    for t in trials:
+        if t["trained"]:
+            print(phases_row(t))
     print()
     for side, params in best.items():
         print(f"{side}: largest that trains: " + ("none of the ladder" if params is None else f"{params / 1e6:.1f}M "
