@@ -351,3 +351,76 @@ class TestConvolutionGraph(TestCase):
 -add_2: f32[4, 4] = aten.add.Tensor(view_22, mul_3)
 +mul_5: f32[4, 4] = aten.mul.Tensor(randn_like_1, 0.5)
 +add_2: f32[4, 4] = aten.add.Tensor(view_27, mul_5)""")
+
+
+def _notes(text):
+    return [line.strip().removeprefix("note: ") for line in text.splitlines() if line.strip().startswith("note: ")]
+
+
+def test_explain_names_every_layer_once_with_its_outcome_and_a_transposed_convolution_as_materialized():
+    """Each parameter in exactly one note: convolution and Linear weights on lines of their own (rewritten,
+    or kept and why), the 1-D ones grouped by module, and a ConvTranspose2d weight (no rewrite for it) as
+    materialized with its shape, not among the biases. The step stays equal to eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 4, 2, stride=2), nn.ReLU(), nn.Conv2d(4, 16, 3, stride=2),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, CLASSES))
+    reference_model = copy.deepcopy(model)
+    shape = (3, 6, 6)
+    options = {"lower": "eager"}
+    text = str(optpass.explain(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), *batch(0, shape),
+                               options=options))
+    notes = _notes(text)
+    names = [name for name, _ in model.named_parameters()]
+    for name in names:
+        module, leaf = name.rsplit(".", 1)
+        mentions = [note for note in notes if f"{name} " in note or f"{name}:" in note or f"{name}," in note
+                    or (f"{module} (" in note and leaf in note.split(f"{module} (", 1)[1].split(")", 1)[0])]
+        assert len(mentions) == 1, (name, notes)
+    assert any(note.startswith("0.weight (Conv2d weight [8, 3, 3, 3]): ") and "kept materialized" in note
+               for note in notes)
+    assert any(note.startswith("5.weight (Conv2d weight [16, 4, 3, 3]): ") for note in notes)
+    assert any(note.startswith("left as traced (6): 0.bias, 1 (weight, bias), 3.bias, 5.bias, 8.bias: 1-D")
+               for note in notes)
+    assert any(note.startswith("materialized, not rewritten (1): 3.weight [8, 4, 2, 2]: not a Linear, Embedding "
+                               "or Conv1d/2d/3d weight") for note in notes)
+
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5)), backend="optpass",
+                             options=options)
+    reference = make_dp_step(reference_model, torch.optim.SGD(reference_model.parameters(), lr=0.5))
+    for step in range(3):
+        x, y = batch(step, shape)
+        torch.manual_seed(100 + step)
+        norms = compiled(x, y)
+        torch.manual_seed(100 + step)
+        torch.testing.assert_close(norms, reference(x, y), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_clipped_sum_as_inductor_writes_it_for_a_gpu_is_rewritten_too():
+    """On a GPU Inductor's joint-graph pattern bmm_to_mm makes the clipped sum's batch-1 bmm an mm of
+    squeezed operands (seen on an H100/H200); here the pattern is made to fire on the CPU. Linear and
+    convolution weights are rewritten all the same and the step equals the eager one."""
+    from torch._inductor.fx_passes import joint_graph
+
+    model, shape = build("cnn")
+    reference_model = copy.deepcopy(model)
+    compiled = torch.compile(make_dp_step(model, torch.optim.SGD(model.parameters(), lr=0.5), noise=0.0),
+                             backend="optpass", options={"lower": "inductor", "dp_materialize": "never"})
+    reference = make_dp_step(reference_model, torch.optim.SGD(reference_model.parameters(), lr=0.5), noise=0.0)
+    optpass.report.clear_reports()
+    with pytest.MonkeyPatch.context() as patch, optpass.keep_graphs():
+        patch.setattr(joint_graph, "check_device", lambda *devices: True)
+        for step in range(3):
+            x, y = batch(step, shape)
+            torch.testing.assert_close(compiled(x, y), reference(x, y), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    report = next(r for r in optpass.recent_reports() if r.graph_after is not None and r.kind is GraphKind.OTHER)
+    squeezed_mm = [n for n in report.graph_before.nodes if n.target is torch.ops.aten.mm.default
+                   and n.args[0].target is torch.ops.aten.squeeze.dim]
+    assert len(squeezed_mm) >= 3                                   # the form this test is about is there
+    assert conv_weight_gradients(report.graph_after) == []
+    outcome = next(p for p in report.passes if p.name == "per_sample_grad_norm")
+    assert sum("rewritten" in note for note in outcome.notes) == 3, outcome.notes

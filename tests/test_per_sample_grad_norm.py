@@ -760,12 +760,13 @@ def test_explain_gives_one_line_per_weight_and_calls_an_embedding_an_embedding(t
     if tied:
         assert sum(note.startswith(f"embed.weight (Embedding weight [32, 16], tied to a Linear (an output head)): "
                                    f"{rewritten}") for note in notes) == 1
-        assert len(notes) == len(weights) + 2           # + the embedding, + one line for those left as traced
+        assert len(notes) == len(weights) + 3           # + the embedding, + the 1-D ones' line, + pos's
     else:
         assert sum(note.startswith(f"embed.weight (Embedding weight [32, 16]): {rewritten}") for note in notes) == 1
         assert sum(note.startswith(f"head.weight (Linear weight [32, 16]): {rewritten}") for note in notes) == 1
-        assert len(notes) == len(weights) + 3
-    assert notes[-1].startswith("left as traced (15): pos, layers.0.norm1.weight")
+        assert len(notes) == len(weights) + 4
+    assert notes[-2].startswith("left as traced (14): layers.0.norm1 (weight, bias), ")
+    assert notes[-1].startswith("materialized, not rewritten (1): pos [8, 16]: ")
 
 
 # ---------------------------------------------------------------- recurrent layers

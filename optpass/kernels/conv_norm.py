@@ -59,9 +59,15 @@ def _direct(x: Tensor, g: Tensor, kernel_size, stride, padding, dilation, groups
     batched_x = x.transpose(0, 1).reshape(n, c * cin, *x.shape[3:])
     batched_g = g.transpose(0, 1).reshape(n, c * cout, *g.shape[3:])
     weight = x.new_empty(()).expand(c * cout, cin // groups, *kernel_size)
-    per_sample = torch.ops.aten.convolution_backward(
-        batched_g, batched_x, weight, None, stride, padding, dilation, False, [0] * len(stride),
-        c * groups, [False, True, False])[1]
+    # cuDNN computes convolutions in TF32 by default (torch.backends.cudnn.allow_tf32): 1e-4 off on
+    # CUDA. The norms decide which samples are clipped and equal Opacus's (unfold + matmul, fp32).
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    try:
+        per_sample = torch.ops.aten.convolution_backward(
+            batched_g, batched_x, weight, None, stride, padding, dilation, False, [0] * len(stride),
+            c * groups, [False, True, False])[1]
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     return per_sample.reshape(c, -1).pow(2).sum(1)
 
 

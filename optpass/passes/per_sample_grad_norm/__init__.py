@@ -6,7 +6,8 @@ Precondition: a graph of a DP-SGD step written with ``torch.func.vmap(grad(...))
 views) by
   * its per-sample squared norm: ``sum(pow(view(P, [B, -1]), 2), dim=1)`` -> [B], and
   * the clipped sum ``einsum("b,b...->...", coef, P)``, lowered as a ``bmm`` that
-    contracts the batch dimension (or as ``sum(mul(P, coef), dim=b)``),
+    contracts the batch dimension (or as ``sum(mul(P, coef), dim=b)``, or on a GPU under
+    Inductor, whose ``bmm_to_mm`` pattern squeezes that batch-1 bmm, as ``mm(coef [1, B], P [B, -1])``),
 where P is one of
   * Linear weight: ``P = bmm(Gᵀ [B, out, T], X [B, T, in]) -> [B, out, in]`` (with T = 1,
     Inductor's broadcast ``mul([B, out, 1], [B, 1, in])``);
@@ -91,7 +92,8 @@ Leaves alone (the outcome's notes say why): a Linear per-sample gradient kept by
 cannot rewrite (the sum stays materialized and exact); an Embedding with
 ``scale_grad_by_freq=True`` in the aten graph (the per-sample token counts are inside
 ``embedding_dense_backward``; in Inductor's graph the division is explicit and the
-pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain);
+pattern is rewritten); an Embedding with T >= vocab tokens per sample (nothing to gain); a
+convolution kept by ``dp_materialize='auto'``; a transposed convolution (no rewrite for it);
 bmm's and scatters that are not per-sample gradients.
 
     before (Linear):                           after:
@@ -183,6 +185,7 @@ class _Names:
             if p.tensor is not None:
                 self.by_shape.setdefault(tuple(p.tensor.shape), []).append(p.name)
         self.frozen = {p.name for p in step.captured.params if p.tensor is not None and not p.tensor.requires_grad}
+        self.shapes = {p.name: tuple(p.tensor.shape) for p in step.captured.params if p.tensor is not None}
         self.differentiated = differentiated_parameters(step)
         self.named: set[str] = set()
         self.counts: dict[str, int] = {}          # line -> how many per-sample gradients it stands for
@@ -214,16 +217,25 @@ class _Names:
         self.counts[line] = self.counts.get(line, 0) + 1
 
     def note_the_others(self) -> None:
-        """The differentiated parameters no candidate stands for: their per-sample gradients are B x the
-        parameter (a bias, a norm's weight, a position table's slice), made from tensors backward holds
-        anyway."""
+        """The differentiated parameters no candidate stands for, each named once, grouped by module:
+        1-D ones (biases, norm scales), whose per-sample gradients are [B, C] sums of tensors backward
+        holds anyway, and the others (a position table's slice, a transposed convolution), whose
+        per-sample gradients stay in the graph because this pass has no rewrite for them."""
         known = self.differentiated if self.differentiated is not None else \
             [name for names in self.by_shape.values() for name in names]
         others = [name for name in known if name not in self.named]
-        if others:
-            self.counts[f"left as traced ({len(others)}): {', '.join(others[:12])}"
-                        f"{' ...' if len(others) > 12 else ''}: no per-sample outer product or "
-                        "scatter; a per-sample gradient of B x the parameter cannot be smaller"] = 1
+        vectors = [name for name in others if len(self.shapes.get(name, ())) <= 1]
+        if vectors:
+            self.counts[f"left as traced ({len(vectors)}): {_by_module(vectors)}: 1-D (biases, norm scales): "
+                        "each per-sample gradient is a [B, C] sum over tokens or positions of tensors the backward "
+                        "holds anyway; there is nothing smaller to compute"] = 1
+        tables = [name for name in others if name not in vectors]
+        if tables:
+            shapes = ", ".join(f"{name} {list(self.shapes[name])}" for name in tables)
+            self.counts[f"materialized, not rewritten ({len(tables)}): {shapes}: not a Linear, Embedding or "
+                        "Conv1d/2d/3d weight whose per-sample gradient is used only for norms and a clipped sum "
+                        "(e.g. a position table's slice, a transposed convolution): its [B, *shape] per-sample "
+                        "gradient stays in the graph"] = 1
 
     def lines(self) -> list[str]:
         """The notes, a line that stands for k same-shape per-sample gradients saying so once."""
@@ -237,6 +249,21 @@ class _Names:
                 "the trainable ones: {k: v.detach() for k, v in model.named_parameters() if v.requires_grad} "
                 "(docs/dp_sgd.md)")
         return lines
+
+
+def _by_module(names: list[str]) -> str:
+    """``4.weight, 4.bias, 8.bias`` as ``4 (weight, bias), 8.bias``: each module once, in order."""
+    modules: dict[str, list[str]] = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        modules.setdefault(module, []).append(leaf)
+    parts = []
+    for module, leaves in modules.items():
+        if not module:                                   # parameters of the model itself
+            parts.extend(leaves)
+        else:
+            parts.append(f"{module}.{leaves[0]}" if len(leaves) == 1 else f"{module} ({', '.join(leaves)})")
+    return ", ".join(parts)
 
 
 def _rewrite(step, candidate: _Candidate) -> str | None:

@@ -32,24 +32,22 @@ def _conv_candidate(step, node: torch.fx.Node, materialize: str = "auto") -> _Ca
         return None
     batch, out_channels, in_per_group, kernel = shape[0], shape[1], shape[2], shape[3:]
     sizes = [*shape, *flat, *x_shape, *g_shape, all_groups]
-    refuse = None
-    if not all(isinstance(v, int) for v in sizes):
-        refuse = "a symbolic size (batch or image): pad batches to static sizes (optpass.pad_batch)"
-    elif transposed or any(output_padding):
+    if transposed or any(output_padding):
         return None                                              # ConvTranspose: not this batched form
-    elif flat != [batch * out_channels, in_per_group, *kernel] or all_groups % batch \
-            or x_shape[1] % batch or g_shape[1] != batch * out_channels or x_shape[0] != g_shape[0]:
+    # vmap specializes a convolution's batch and image sizes (torch 2.13): symbolic ones are not met
+    if not all(isinstance(v, int) for v in sizes) or flat != [batch * out_channels, in_per_group, *kernel] \
+            or all_groups % batch or x_shape[1] % batch or g_shape[1] != batch * out_channels \
+            or x_shape[0] != g_shape[0]:
         return None
-    groups = all_groups // batch if refuse is None else 1
-    in_channels = x_shape[1] // batch if refuse is None else in_per_group
-    if refuse is None and (in_channels != in_per_group * groups or out_channels % groups):
+    groups, in_channels = all_groups // batch, x_shape[1] // batch
+    if in_channels != in_per_group * groups or out_channels % groups:
         return None
     emit = step.emit
     spatial = len(kernel)
     labels = [("b",), ("r",), ("c",)] + [(f"k{d}",) for d in range(spatial)]
     size_of = {"b": batch, "r": out_channels, "c": in_per_group, **{f"k{d}": k for d, k in enumerate(kernel)}}
     what = f"Conv{spatial}d per-sample gradient [B={batch}, {', '.join(map(str, shape[1:]))}]"
-    keep = None if refuse else _keep_materialized(x_shape, g_shape, batch, shape[1:], materialize)
+    keep = _keep_materialized(x_shape, g_shape, batch, shape[1:], materialize)
     rows = x_shape[0]
 
     def per_sample(tensor, channels):
@@ -78,7 +76,7 @@ def _conv_candidate(step, node: torch.fx.Node, materialize: str = "auto") -> _Ca
         return emit(operator.getitem, total, 1)
 
     return _Candidate(what=what, root=node, labels=labels, size_of=size_of, norm=norm, clipped_sum=clipped_sum,
-                      refuse=refuse, keep=keep, uses=(("Conv", x, g),))
+                      keep=keep, uses=(("Conv", x, g),))
 
 
 def _keep_materialized(x_shape, g_shape, batch, weight_shape, materialize: str) -> str | None:

@@ -94,7 +94,7 @@ def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
 
 
 def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
-    """('norm', sum node) | ('sum', result node, coef node, (r, c) order) | None."""
+    """('norm', sum node) | ('sum', result node, coef node, order of the weight's atoms) | None."""
     # squared norm: pow(v, 2) or mul(v, v), then a sum over every dim but b
     if (user.target is aten.pow.Tensor_Scalar and user.args[1] == 2) or (
             user.target is aten.mul.Tensor and user.args[0] is value and user.args[1] is value):
@@ -116,6 +116,14 @@ def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
         coef_shape = _shape(coef)
         if coef_shape is not None and coef_shape[:2] == [1, 1]:
             return ("sum", user, coef, labels[2])
+    # clipped sum on a GPU under Inductor, whose joint-graph pattern bmm_to_mm turns that batch-1 bmm
+    # into squeezes and an mm: mm(coef [1, B], v [B, r·c])
+    if user.target is aten.mm.default and user.args[1] is value and len(labels) == 2 \
+            and labels[0] == ("b",) and _weight_atoms(labels[1]):
+        coef = user.args[0]
+        coef_shape = _shape(coef)
+        if coef_shape is not None and coef_shape[0] == 1:
+            return ("sum", user, coef, labels[1])
     # clipped sum, decomposed: sum(mul(v, coef broadcast along b), dim=b)
     if user.target is aten.mul.Tensor and value in user.args[:2] and len(user.users) == 1:
         coef = user.args[1] if user.args[0] is value else user.args[0]
