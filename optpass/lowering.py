@@ -29,6 +29,7 @@ import torch
 import torch.fx
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -37,6 +38,7 @@ from optpass.passes import _row_chunks, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, user_line
+from optpass.random_draws import draw_randn_like_in_one_op
 from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import FORWARD, GRADIENT_KEY, REGION_KEY, StepGraph
 
@@ -66,6 +68,8 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     report.passes = passes.run_pipeline(step, options)
     if options.lower == "inductor":
         _spell_out_alpha(step)
+        if inductor_config.fallback_random:
+            draw_randn_like_in_one_op(step.graph)
     step.annotate_regions()
     report.regions = step.region_sizes()
     report.aten_ops_after = passes.count_ops(graph)
