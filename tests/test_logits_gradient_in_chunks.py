@@ -244,3 +244,16 @@ def test_the_live_peak_no_longer_holds_the_whole_logits_gradient():
         peaks[tuple(disable)] = peak.growth_bytes
     logits_gradient_bytes = 4 * 64 * cfg.vocab * 4
     assert peaks[(PASS,)] - peaks[()] >= 0.75 * logits_gradient_bytes, peaks
+
+
+def test_explain_says_the_pass_runs_on_inductors_decomposed_loss():
+    """explain's aten graph has cross-entropy's backward as one op: the pass does not apply there,
+    and the line says where it does instead of a reason that reads like a refusal."""
+    torch._dynamo.reset()
+    cfg = LMConfig(vocab=8192, d_model=160, n_heads=4, n_layers=1, seq_len=16, tie_head=False)
+    model = TinyLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4))
+    text = str(optpass.explain(make_step(model, opt, lm_loss), *lm_batch(cfg.vocab, 2, 16)(0),
+                               options={"optimizer": opt, "optimizer_in_backward": True}))
+    line = next(line for line in text.splitlines() if f"pass {PASS}" in line)
+    assert "Inductor's lowering (the default) decomposes it into pointwise ops" in line, line

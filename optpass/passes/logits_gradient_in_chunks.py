@@ -73,10 +73,20 @@ def run(step, options) -> str | None:
             rewritten += 1
         else:
             reasons.append(f"{logits_gradient.name}: {reason}")
+    half = any("torch.bfloat16" in r or "torch.float16" in r for r in reasons)
+    if not rewritten and reasons and not half and _has_fused_loss_backward(step.graph):
+        return ("the loss's backward is one op in this graph (aten._log_softmax_backward_data: the aten graph that "
+                "optpass.explain and lower='eager' see); Inductor's lowering (the default) decomposes it into "
+                "pointwise ops, where this pass makes the head's logits gradient in vocabulary chunks")
     if not rewritten:
         return "; ".join(reasons) or "no gradient is made in row chunks from a [tokens, vocab] gradient"
     step.notes.append(f"{rewritten} logits gradient(s) made in vocabulary chunks beside the head's update")
     return None
+
+
+def _has_fused_loss_backward(graph: torch.fx.Graph) -> bool:
+    return any(n.target in (aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
+               for n in graph.nodes)
 
 
 def _chunked_gradients(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[int, int, torch.fx.Node]]]:
