@@ -740,6 +740,7 @@ def backward_outside_message(captured: CapturedGraph) -> str:
     return (
         f"optpass: the compiled step stops before backward(){where}, because of: {reason}. "
         "backward() and what follows it (gradient clipping, the optimizer) then run outside the "
-        "captured graph, so optpass cannot see or rewrite them. The usual cause is reading `loss` "
-        "after opt.step() (e.g. `return loss.detach()` at the end). Fix: take the value to return "
-        f"before the optimizer: `{SUPPORTED_SHAPE}`.")
+        "captured graph, so optpass cannot see or rewrite them. The usual cause is reading `loss`, or "
+        "another tensor of the forward (logits, a model output), after opt.step() (e.g. `return "
+        "loss.detach()` or `return out, logits.detach()` at the end). Fix: detach every value to "
+        f"return before the optimizer: `{SUPPORTED_SHAPE}` (and `logits = logits.detach()` beside `out`).")

@@ -141,9 +141,13 @@ def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
         where = f" ({captured.split_line})" if captured.split_line else ""
         if "GradScaler." in (captured.split_reason or ""):
             raise OptpassError(grad_scaler_in_step_message(captured, feature))
+        returned = "returned tensor's grad_fn" in (captured.split_reason or "")
+        cause = (" A tensor of the forward that the step returns or reads after opt.step() (loss, logits, a "
+                 "model output) still holds its autograd graph: detach every value to return before "
+                 "opt.step() (`logits = logits.detach()` beside `out = loss.detach()`)." if returned else "")
         raise OptpassError(
             f"{feature} needs backward() inside the compiled step, but the step stops "
-            f"before it{where} because of: {captured.split_reason}. Fix the step shape: "
+            f"before it{where} because of: {captured.split_reason}.{cause} Fix the step shape: "
             f"`{SUPPORTED_SHAPE}`.")
 
 

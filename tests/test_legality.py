@@ -229,6 +229,25 @@ def test_tutorial_step_shape_is_refused_with_the_fix():
                        "out = loss.detach(); opt.step(); opt.zero_grad(); return out")
 
 
+def test_returning_the_logits_after_the_optimizer_is_refused_naming_them():
+    """The first thing a user writes to get the logits back: `loss` has the step shape, the model's
+    output does not. The message says that any returned forward tensor must be detached first."""
+    model, opt = setup_model()
+
+    def train_step(x, y):
+        logits = model(x)
+        loss = F.mse_loss(logits, y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out, logits.detach()
+
+    with pytest.warns(optpass.BackwardOutsideGraphWarning, match="logits"):
+        assert_refused(compile_fused(train_step, opt), "needs backward() inside the compiled step",
+                       "detach every value to return before opt.step()", "logits = logits.detach()")
+
+
 def test_options_without_an_optimizer_are_refused():
     with pytest.raises(optpass.OptpassError, match="needs the optimizer"):
         optpass.options.Options.from_user({"optimizer_in_backward": True})

@@ -77,7 +77,8 @@ def run(step, options) -> str | None:
     if not rewritten and reasons and not half and _has_fused_loss_backward(step.graph):
         return ("the loss's backward is one op in this graph (aten._log_softmax_backward_data: the aten graph that "
                 "optpass.explain and lower='eager' see); Inductor's lowering (the default) decomposes it into "
-                "pointwise ops, where this pass makes the head's logits gradient in vocabulary chunks")
+                "pointwise ops, where this pass makes the head's logits gradient in vocabulary chunks (an fp32 "
+                "head without a bias whose gradient is made in row chunks)")
     if not rewritten:
         return "; ".join(reasons) or "no gradient is made in row chunks from a [tokens, vocab] gradient"
     step.notes.append(f"{rewritten} logits gradient(s) made in vocabulary chunks beside the head's update")
@@ -130,7 +131,8 @@ def _rewrite(step, gradient: torch.fx.Node, chunks: list) -> str | None:
         if user.target is aten.mm.default and user.args[0] is gradient and _rows_are_vocab(user.args[1], vocab):
             input_gradients.append(user)
             continue
-        return f"read by {user.name} ({user.target}) besides the chunks"
+        return (f"the logits gradient is also read whole by {user.target} (node {user.name}: a head bias's "
+                "gradient, or a term of its own), so it cannot be made in chunks")
     position = {n: i for i, n in enumerate(step.graph.nodes)}
     first, last = position[chunks[0][2]], position[chunks[-1][2]]
     for mm in input_gradients:
