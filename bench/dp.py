@@ -2,7 +2,9 @@
 """DP-SGD on CPU: step time and peak memory of optpass vs Inductor vs Opacus.
 
 One training step of a small transformer LM (``TinyLM``-like: d_model 256, 4 layers,
-4 heads, vocab 256), batch B = 16, sequence length T in {16, 128, 512}, SGD.
+4 heads, vocab 256), batch B = 16, sequence length T in {16, 128, 512}, SGD; or, with
+``--model cnn``, of Opacus's CIFAR-10 CNN (``examples/cifar10.py``'s ``convnet``: four 3x3
+convolutions, 3-32-64-64-128 channels, a Linear head) on 3x32x32 images.
 
 Model: Opacus computes per-sample gradients module by module, and supports neither
 a bare ``nn.Parameter`` (TinyLM's ``pos``: the whole TinyLM would fall back to
@@ -26,8 +28,11 @@ Variants (each in a FRESH subprocess: this script re-invoked with ``--child VARI
 * ``vmap-optpass``  -- the same step compiled with ``backend="optpass"`` (default lowering,
   Inductor): the ``per_sample_grad_norm`` pass replaces each Linear weight's
   [B, out, in] per-sample gradient by ``optpass::per_sample_grad_sq_norm`` + one GEMM,
-  and each Embedding's [B, vocab, d] one by ``optpass::embedding_per_sample_grad_sq_norm``
-  + one scatter;
+  each Embedding's [B, vocab, d] one by ``optpass::embedding_per_sample_grad_sq_norm``
+  + one scatter, and each convolution weight's by ``optpass::conv_per_sample_grad_sq_norm``
+  + one weight gradient (``dp_materialize="auto"`` keeps those no larger materialized). Its
+  first step's per-sample norms are compared with Opacus's (hooks, on a copy of the model):
+  "norms vs Opacus" is their largest difference over the largest norm;
 * ``opacus-hooks`` -- ``opacus.GradSampleModule`` (hooks materialize every per-sample
   gradient) + ``opacus.optimizers.DPOptimizer`` (clip, noise, step), eager;
 * ``opacus-ghost`` -- ``GradSampleModuleFastGradientClipping(use_ghost_clipping=True)``
@@ -49,7 +54,16 @@ default every child runs with ``MALLOC_MMAP_THRESHOLD_=131072`` so that buffers
 >= 128 KiB are unmapped on free and RSS follows the live tensors
 (``--malloc-mmap-threshold 0`` to keep glibc's default). ``ru_maxrss`` (peak over the
 whole process, compile included) is reported too. A child past ``--timeout`` seconds
-is killed and reported as "timeout".
+is killed and reported as "timeout". "live MB" is the peak of live CPU tensor bytes over the
+measured steps (``_measure.CPUTensorBytes``, counted by the allocator; no glibc retention, no
+compiled code), "x live" its ratio to non-private. The line "optpass / vmap-inductor" gives
+optpass's step time and live-tensor peak over those of the same program under plain Inductor.
+``--repeat N`` runs the variants N times, alternating (one process each), and takes each
+variant's median step time and live-tensor peak over its runs.
+``--interleaved`` times only optpass against plain Inductor, both compiled in one process on
+two copies of the model, one step of each in turn (the order flipped every pair): on a shared
+machine both see the same load; it prints the median of the pairs' time ratios (per run, and the
+median over ``--repeat`` runs).
 
 Usage::
 
@@ -57,6 +71,9 @@ Usage::
     python3 bench/dp.py --T 16,128
     python3 bench/dp.py --quick            # smaller model, fewer steps, T = 16,64
     python3 bench/dp.py --json out.json
+    python3 bench/dp.py --d-model 128 --n-layers 2 --T 128,512 --repeat 3
+    python3 bench/dp.py --model cnn --repeat 3
+    python3 bench/dp.py --d-model 128 --n-layers 2 --T 128,512 --interleaved --steps 30 --repeat 3
 
 Goals (per T): optpass step time <= 1.3x and steady peak memory <= 1.1x non-private;
 optpass the best (fastest and smallest) DP variant.
@@ -71,12 +88,13 @@ import resource
 import statistics
 import time
 
-from _measure import (ChildError, child_command, child_env, emit_result, empty_cache_dir, graph_count,
-                      print_json, proc_status_kib, reset_peak_rss, run_child)
+from _measure import (ChildError, CPUTensorBytes, child_command, child_env, emit_result, empty_cache_dir,
+                      graph_count, print_json, proc_status_kib, reset_peak_rss, run_child)
 
 VARIANTS = ["nonprivate", "noise-floor", "vmap-inductor", "vmap-optpass", "opacus-hooks", "opacus-ghost"]
 DP_VARIANTS = VARIANTS[2:]
 MAX_GRAD_NORM, NOISE, LR = 1.0, 1.0, 0.05
+CLASSES = 10   # the CNN's (CIFAR-10)
 
 
 # ----------------------------------------------------------------------------- child side
@@ -109,6 +127,34 @@ def build_model(args):
                    n_layers=args.n_layers, seq_len=args.t)
     torch.manual_seed(0)
     return DPLM(cfg), cfg
+
+
+def build_cnn(args):
+    """Opacus's CIFAR-10 CNN (``examples/cifar10.py``'s ``convnet``): four 3x3 convolutions (3-32-64-64-128
+    channels, ReLU, average pooling), a Linear head over 10 classes; images 3x32x32."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    layers = []
+    for cin, cout in ((3, 32), (32, 64), (64, 64), (64, 128)):
+        layers += [nn.Conv2d(cin, cout, kernel_size=3, stride=1, padding=1), nn.ReLU()]
+        layers.append(nn.AvgPool2d(kernel_size=2, stride=2) if cout != 128 else nn.AdaptiveAvgPool2d((1, 1)))
+    return nn.Sequential(*layers, nn.Flatten(start_dim=1, end_dim=-1), nn.Linear(128, CLASSES, bias=True))
+
+
+def opacus_norms(model, x, y, vocab):
+    """Opacus's per-sample gradient norms (hooks, GradSampleModule) of the DP step's loss at ``model``'s
+    parameters, on a copy of the model."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from opacus import GradSampleModule
+
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction="mean")
+    F.cross_entropy(gsm(x).reshape(-1, vocab), y.reshape(-1)).backward()
+    return torch.stack([p.grad_sample.reshape(len(x), -1).pow(2).sum(1) for p in gsm.parameters()]).sum(0).sqrt()
 
 
 def make_nonprivate_step(model, opt, vocab, noise_batch=None):
@@ -160,6 +206,34 @@ def make_vmap_dp_step(model, opt, vocab, batch):
     return dp_step
 
 
+def interleaved_optpass_inductor(args, model, batches, vocab, info) -> None:
+    """vmap-optpass and vmap-inductor in ONE process on two copies of the model, one step of each in
+    turn (``--steps`` pairs after ``--warmup``): on a shared machine both see the same load. Reports
+    each one's median step and the median of the pairs' time ratios (optpass / inductor)."""
+    import copy
+
+    import torch
+
+    steps = {}
+    for backend in ("inductor", "optpass"):
+        replica = copy.deepcopy(model)
+        opt = torch.optim.SGD(replica.parameters(), lr=LR)
+        steps[backend] = torch.compile(make_vmap_dp_step(replica, opt, vocab, args.batch), backend=backend)
+    for i in range(args.warmup):
+        for step in steps.values():
+            step(*batches[i % len(batches)])
+    times = {backend: [] for backend in steps}
+    for i in range(args.steps):
+        for backend, step in (steps.items() if i % 2 == 0 else reversed(steps.items())):
+            t0 = time.perf_counter()
+            step(*batches[i % len(batches)])
+            times[backend].append(time.perf_counter() - t0)
+    ratios = [o / n for o, n in zip(times["optpass"], times["inductor"])]
+    info.update(step_s={b: statistics.median(t) for b, t in times.items()}, times=times,
+                pair_ratio=statistics.median(ratios))
+    emit_result(info)
+
+
 def child(args) -> None:
     import torch
     import torch.nn as nn
@@ -167,14 +241,24 @@ def child(args) -> None:
     import optpass
 
     torch.set_num_threads(args.threads)
-    model, cfg = build_model(args)
-    n_params = sum(p.numel() for p in model.parameters())
+    live = CPUTensorBytes()
+    live.load()
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, cfg.vocab, (args.batch, args.t + 1), generator=g) for _ in range(4)]
-    batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    if args.model == "cnn":
+        model, cfg = build_cnn(args), argparse.Namespace(vocab=CLASSES)
+        batches = [(torch.randn(args.batch, 3, 32, 32, generator=g),
+                    torch.randint(0, CLASSES, (args.batch,), generator=g)) for _ in range(4)]
+    else:
+        model, cfg = build_model(args)
+        data = [torch.randint(0, cfg.vocab, (args.batch, args.t + 1), generator=g) for _ in range(4)]
+        batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    n_params = sum(p.numel() for p in model.parameters())
     info: dict = {"variant": args.child, "T": args.t, "params": n_params}
     variant = args.child
 
+    if variant == "interleaved":
+        interleaved_optpass_inductor(args, model, batches, cfg.vocab, info)
+        return
     if variant == "nonprivate":
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         step = torch.compile(make_nonprivate_step(model, opt, cfg.vocab), backend="inductor")
@@ -224,9 +308,11 @@ def child(args) -> None:
         raise SystemExit(f"unknown variant {variant}")
 
     if variant == "vmap-optpass":
+        reference = opacus_norms(model, *batches[0], cfg.vocab)
         optpass.report.clear_reports()
         with optpass.keep_graphs():
-            step(*batches[0])
+            norms = step(*batches[0])
+        info["norms_vs_opacus"] = ((norms - reference).abs().max() / reference.abs().max()).item()
         applied, norm_ops, est = [], 0, None
         for r in optpass.recent_reports():
             for p in r.passes:
@@ -235,7 +321,8 @@ def child(args) -> None:
             if r.graph_after is not None:
                 norm_ops += sum(1 for n in r.graph_after.nodes
                                 if n.target in (torch.ops.optpass.per_sample_grad_sq_norm.default,
-                                                torch.ops.optpass.embedding_per_sample_grad_sq_norm.default))
+                                                torch.ops.optpass.embedding_per_sample_grad_sq_norm.default,
+                                                torch.ops.optpass.conv_per_sample_grad_sq_norm.default))
             if r.memory_before is not None and r.memory_after is not None and est is None and norm_ops:
                 est = (r.memory_before.peak_bytes, r.memory_after.peak_bytes)
         info.update(pass_status=applied, norm_ops=norm_ops, est_peak_before=est and est[0],
@@ -252,13 +339,15 @@ def child(args) -> None:
 
     graphs = graph_count()
     rss_pre = proc_status_kib("VmRSS") * 1024
+    live.start()
     info["hwm_reset"] = reset_peak_rss()
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
         step(*batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
-    info.update(step_s=statistics.median(times), times=times, vmhwm=proc_status_kib("VmHWM") * 1024,
+    info.update(step_s=statistics.median(times), times=times, live_peak=live.stop()["peak_bytes"],
+                vmhwm=proc_status_kib("VmHWM") * 1024,
                 rss_pre=rss_pre, rss_end=proc_status_kib("VmRSS") * 1024,
                 ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 recompiled=graph_count() != graphs)
@@ -271,7 +360,7 @@ def run_variant(args, variant: str, t: int) -> dict:
     """One child; a failure or a timeout comes back as its status (the table goes on without it)."""
     cmd = child_command(__file__, child=variant, t=t, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, vocab=args.vocab, batch=args.batch, threads=args.threads,
-                        warmup=args.warmup, steps=args.steps)
+                        warmup=args.warmup, steps=args.steps, model=args.model)
     with empty_cache_dir("dp") as cache:
         env = child_env(args.threads, cache, MALLOC_MMAP_THRESHOLD_=args.malloc_mmap_threshold or None,
                         TRITON_CACHE_DIR=os.path.join(cache, "triton"))
@@ -286,6 +375,17 @@ def run_variant(args, variant: str, t: int) -> dict:
     return result
 
 
+def median_of_runs(runs: list[dict]) -> dict:
+    """The repeats of one variant (alternating processes) as one result: the median of their step
+    times and live-tensor peaks, the rest from the last run that finished."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if not ok:
+        return runs[-1]
+    return {**ok[-1], "step_s": statistics.median(r["step_s"] for r in ok),
+            "live_peak": statistics.median(r["live_peak"] for r in ok),
+            "step_s_runs": [r["step_s"] for r in ok], "live_peak_runs": [r["live_peak"] for r in ok]}
+
+
 def fmt_mb(b):
     return f"{b / 2**20:8.1f}" if b is not None else f"{'-':>8s}"
 
@@ -293,9 +393,9 @@ def fmt_mb(b):
 def print_table(t: int, results: dict[str, dict]) -> dict:
     base = results.get("nonprivate", {})
     ok_base = base.get("status") == "ok"
-    print(f"\n=== T = {t} ===")
-    print(f"{'variant':16s}{'step ms':>10s}{'x time':>8s}{'VmHWM MB':>10s}{'x mem':>7s}{'HWM-pre':>9s}"
-          f"{'maxrss MB':>11s}{'wall s':>8s}  notes")
+    print(f"\n=== {f'T = {t}' if t else 'CNN'} ===")
+    print(f"{'variant':16s}{'step ms':>10s}{'x time':>8s}{'live MB':>9s}{'x live':>8s}{'VmHWM MB':>10s}{'x mem':>7s}"
+          f"{'HWM-pre':>9s}{'maxrss MB':>11s}{'wall s':>8s}  notes")
     for v in VARIANTS:
         r = results.get(v)
         if r is None:
@@ -305,22 +405,30 @@ def print_table(t: int, results: dict[str, dict]) -> dict:
             continue
         tr = r["step_s"] / base["step_s"] if ok_base else None
         mr = r["vmhwm"] / base["vmhwm"] if ok_base else None
-        r["time_ratio"], r["mem_ratio"] = tr, mr
+        lr = r["live_peak"] / base["live_peak"] if ok_base else None
+        r["time_ratio"], r["mem_ratio"], r["live_ratio"] = tr, mr, lr
         notes = []
         if v == "noise-floor":
             notes.append("not DP: non-private + the noise only (the floor of every DP variant)")
         if v == "vmap-optpass":
             notes.append(f"per_sample_grad_norm {','.join(sorted(set(r['pass_status']))) or 'not run'}, "
-                         f"{r['norm_ops']} norm ops")
+                         f"{r['norm_ops']} norm ops, norms vs Opacus {r['norms_vs_opacus']:.1e}")
             if r.get("est_peak_before"):
                 notes.append(f"est. graph peak {r['est_peak_before'] / 2**20:.0f} -> "
                              f"{r['est_peak_after'] / 2**20:.0f} MB")
         if r.get("recompiled"):
             notes.append("RECOMPILED during timing")
-        print(f"{v:16s}{r['step_s'] * 1e3:10.1f}{(f'{tr:.2f}' if tr else '-'):>8s}{fmt_mb(r['vmhwm']):>10s}"
+        print(f"{v:16s}{r['step_s'] * 1e3:10.1f}{(f'{tr:.2f}' if tr else '-'):>8s}{fmt_mb(r['live_peak']):>9s}"
+              f"{(f'{lr:.2f}' if lr else '-'):>8s}{fmt_mb(r['vmhwm']):>10s}"
               f"{(f'{mr:.2f}' if mr else '-'):>7s}{fmt_mb(r['vmhwm'] - r['rss_pre']):>9s}{fmt_mb(r['ru_maxrss']):>11s}{r['wall_s']:8.0f}  {'; '.join(notes)}")
     goals = {}
-    o = results.get("vmap-optpass", {})
+    o, i = results.get("vmap-optpass", {}), results.get("vmap-inductor", {})
+    if o.get("status") == "ok" and i.get("status") == "ok":
+        goals["vs_inductor_time"] = o["step_s"] / i["step_s"]
+        goals["vs_inductor_live"] = o["live_peak"] / i["live_peak"]
+        print(f"optpass / vmap-inductor: time {goals['vs_inductor_time']:.2f}x (goal <= 1.00), live-tensor peak "
+              f"{goals['vs_inductor_live']:.2f}x (goal <= 0.80); norms vs Opacus {o['norms_vs_opacus']:.1e} "
+              f"(goal <= 1e-5)")
     if ok_base and o.get("status") == "ok":
         dp_ok = {v: results[v] for v in DP_VARIANTS if results.get(v, {}).get("status") == "ok"}
         fastest = min(dp_ok, key=lambda v: dp_ok[v]["step_s"])
@@ -344,6 +452,12 @@ def print_table(t: int, results: dict[str, dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="lm", choices=("lm", "cnn"),
+                   help="lm: DPLM (the default); cnn: Opacus's CIFAR-10 CNN on 3x32x32 images (no --T)")
+    p.add_argument("--interleaved", action="store_true",
+                   help="only optpass against plain Inductor, both in one process, one step of each in turn")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the variants this many times, alternating; each variant's median over the runs")
     p.add_argument("--T", default=None, help="comma-separated sequence lengths (default 16,128,512; --quick 16,64)")
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, T = 16,64")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -374,20 +488,41 @@ def main() -> None:
         return
 
     ts = [int(t) for t in (args.T or ("16,64" if args.quick else "16,128,512")).split(",")]
+    if args.model == "cnn":
+        ts = [0]    # one table; the CNN has no sequence length
     variants = [v for v in args.variants.split(",") if v]
-    print(f"DPLM d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} vocab={args.vocab} "
-          f"(positions as nn.Embedding, untied head), B={args.batch}, SGD, C={MAX_GRAD_NORM}, "
+    model = ("Opacus's CIFAR-10 CNN (3x32x32)" if args.model == "cnn" else
+             f"DPLM d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} vocab={args.vocab} "
+             f"(positions as nn.Embedding, untied head)")
+    print(f"{model}, B={args.batch}, SGD, C={MAX_GRAD_NORM}, "
           f"noise={NOISE}, threads={args.threads}, warmup={args.warmup}, steps={args.steps}, "
           f"MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold or 'default'}")
     all_results, all_goals = {}, {}
+    if args.interleaved:
+        for t in ts:
+            runs = [run_variant(args, "interleaved", t) for _ in range(args.repeat)]
+            ok = [r for r in runs if r["status"] == "ok"]
+            for r in runs:
+                print(f"  {f'T={t}' if t else 'CNN'}: " + (f"optpass {r['step_s']['optpass'] * 1e3:.1f} ms, inductor "
+                      f"{r['step_s']['inductor'] * 1e3:.1f} ms, median pair ratio {r['pair_ratio']:.3f}"
+                      if r["status"] == "ok" else f"{r['status']} {r.get('error', '')[-300:]}"), flush=True)
+            if ok:
+                print(f"  {f'T={t}' if t else 'CNN'}: optpass / vmap-inductor time, median over {len(ok)} runs: "
+                      f"{statistics.median(r['pair_ratio'] for r in ok):.3f} (goal <= 1.00)")
+            all_results[t] = runs
+        print_json({"interleaved": {str(t): [r.get("pair_ratio") for r in rs] for t, rs in all_results.items()}},
+                   path=args.json)
+        return
     for t in ts:
-        results = {}
-        for v in variants:
-            results[v] = run_variant(args, v, t)
-            r = results[v]
+        runs = {v: [] for v in variants}
+        for _ in range(args.repeat):
+            for v in variants:
+                runs[v].append(run_variant(args, v, t))
+                r = runs[v][-1]
             print(f"  T={t} {v}: {r['status']}" + (f", {r['step_s'] * 1e3:.1f} ms/step, VmHWM "
                                                     f"{r['vmhwm'] / 2**20:.1f} MB" if r["status"] == "ok" else
                                                     f" {r.get('error', '')[-300:]}"), flush=True)
+        results = {v: median_of_runs(rs) for v, rs in runs.items()}
         all_goals[t] = print_table(t, results)
         all_results[t] = results
 
@@ -401,7 +536,8 @@ def main() -> None:
         floor = f" (noise floor {goals['noise_floor_time']:.2f}x)" if goals.get("noise_floor_time") else ""
         print(f"  T={t}: met {met or 'none'}; NOT met {missed or 'none'}{floor}")
     summary = {str(t): {v: {k: r.get(k) for k in ("status", "step_s", "vmhwm", "ru_maxrss", "time_ratio",
-                                                   "mem_ratio", "norm_ops", "est_peak_before", "est_peak_after")
+                                                   "mem_ratio", "live_peak", "live_ratio", "step_s_runs",
+                                                   "norms_vs_opacus", "norm_ops", "est_peak_before", "est_peak_after")
                             if k in r} for v, r in res.items()} for t, res in all_results.items()}
     out = {"config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "batch", "threads",
                                                      "warmup", "steps", "malloc_mmap_threshold")},
