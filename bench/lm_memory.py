@@ -112,6 +112,7 @@ def run_variant(args) -> None:
         options["master_weights"] = torch.float32
     if kind == "optpass":
         options["optimizer_in_backward"] = True
+        options["logits_in_chunks"] = args.logits_in_chunks
     step = training_step(loss_of, opt)
     compiled = (torch.compile(step, backend="inductor") if kind == "inductor" and precision == "fp32"
                 else torch.compile(step, backend="optpass", options=options))
@@ -148,7 +149,7 @@ def run_variant(args) -> None:
 
 def _spawn(args, variant: str) -> dict:
     cmd = child_command(__file__, child=variant, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                        warmup=args.warmup, threads=args.threads)
+                        warmup=args.warmup, threads=args.threads, logits_in_chunks=args.logits_in_chunks)
     with empty_cache_dir(variant) as cache_dir:
         return run_child(cmd, child_env(args.threads, cache_dir), args.child_timeout)
 
@@ -200,6 +201,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child-timeout", type=float, default=1200)
+    parser.add_argument("--logits-in-chunks", action="store_true",
+                        help="optpass with options logits_in_chunks (an untied fp32 head's logits made in chunks)")
     parser.add_argument("--json", default=None, help="write every child's numbers here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

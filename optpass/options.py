@@ -70,6 +70,9 @@ OPTIONS: tuple[Option, ...] = (
            "in one of them"),
     Option("optimizer_in_backward", (bool,), False,
            "run each parameter's update inside backward as soon as its gradient is final; free the gradient"),
+    Option("logits_in_chunks", (bool,), False,
+           "with optimizer_in_backward: an untied fp32 head's logits and their gradient made in vocabulary "
+           "chunks beside its chunked update (less memory at the loss, one more logits GEMM per step)"),
     Option("master_weights", (type(None), "dtype"), None,
            "torch.float32: keep an fp32 master copy of every bf16/fp16 parameter; torch.optim's own update "
            "runs on the master (gradient cast to fp32) and the rounded result is copied into the parameter; "
@@ -261,6 +264,7 @@ class Options:
     warn_on_graph_break: bool = _default("warn_on_graph_break")
     optimizer: Any = _default("optimizer")
     optimizer_in_backward: bool = _default("optimizer_in_backward")
+    logits_in_chunks: bool = _default("logits_in_chunks")
     master_weights: Any = _default("master_weights")
     grad_scaler: Any = _default("grad_scaler")
     accumulation_steps: int = _default("accumulation_steps")
@@ -321,7 +325,8 @@ class Options:
         """What about these options changes the rewritten graph (for Inductor's cache key)."""
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
                      self.data_parallel, self.partition, self.bucket_bytes, self.collectives,
-                     self.dp_materialize, str(self.master_weights), self.grad_scaler is not None))
+                     self.dp_materialize, str(self.master_weights), self.grad_scaler is not None,
+                     self.logits_in_chunks))
 
 
 def _check_type(option: Option, value: Any) -> None:

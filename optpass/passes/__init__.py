@@ -11,7 +11,7 @@ share is in ``_graph_utils.py`` and ``_row_chunks.py``). The pipeline, in order:
 | accumulate_gradient_in_place | accumulate_gradient_in_place.py | with optimizer_in_backward | no (rounding only: a tied weight's two contributions summed in another order) |
 | optimizer_in_backward | optimizer_in_backward.py | when asked    | no (torch.optim's own update, moved) |
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
-| logits_gradient_in_chunks | logits_gradient_in_chunks.py | with optimizer_in_backward | no (rounding only: the head's input gradient summed over vocabulary chunks) |
+| logits_gradient_in_chunks | logits_gradient_in_chunks.py | when asked    | no (rounding only: the head's input gradient summed over vocabulary chunks) |
 | reshard_after_forward | reshard_after_forward.py | when asked    | no (the same shards gathered again) |
 | shard_optimizer       | shard_optimizer/       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
 | per_sample_grad_norm  | per_sample_grad_norm/  | yes           | no (rounding only) |
@@ -89,7 +89,7 @@ PASSES: tuple[GraphPass, ...] = (
               asked_by="master_weights"),
     # A language model's [tokens, vocab] logits gradient made in vocabulary chunks beside its head's chunked update.
     GraphPass("logits_gradient_in_chunks", logits_gradient_in_chunks.run, applies_to=(GraphKind.STEP,),
-              asked_by="optimizer_in_backward"),
+              asked_by="logits_in_chunks"),
     # FSDP: each sharded parameter gathered again for backward, gathers prefetched one ahead (opt-in).
     GraphPass("reshard_after_forward", reshard_after_forward.run, applies_to=(GraphKind.STEP,),
               asked_by="data_parallel"),

@@ -1,7 +1,7 @@
 """Pass logits_gradient_in_chunks: a language model's logits gradient is made a vocabulary chunk at a
 time, beside its output head's chunked update, and never whole.
 
-Precondition: ``optimizer_in_backward`` (or ``master_weights`` in backward) made and applied the output
+Precondition: asked for (``logits_in_chunks``), ``optimizer_in_backward`` (or ``master_weights`` in backward) made and applied the output
 head's ``[vocab, d]`` gradient in row chunks (``_row_chunks.py``): chunk ``a:b`` is a GEMM over
 ``permute(dY)[a:b]`` (Inductor's lowering) or ``dY[:, a:b]`` (the eager lowering's transposed form),
 where ``dY`` is the ``[tokens, vocab]`` gradient of the logits. ``dY`` is made by pointwise ops
@@ -64,8 +64,10 @@ _ELEMENTWISE = {aten.where.self, aten.clone.default, aten._to_copy.default, torc
 
 
 def run(step, options) -> str | None:
+    if not options.logits_in_chunks:
+        return "not requested (options logits_in_chunks)"
     if not options.optimizer_in_backward:
-        return "not requested (options optimizer_in_backward)"
+        return "needs optimizer_in_backward (the head's update in row chunks)"
     rewritten, reasons = 0, []
     for logits_gradient, chunks in _chunked_gradients(step.graph).items():
         reason = _rewrite(step, logits_gradient, chunks)
