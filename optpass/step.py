@@ -351,10 +351,7 @@ class StepGraph:
         for node in self.gradient_nodes.values():
             names.add(node.name)
             if node.target is torch.ops.aten.copy.default and isinstance(node.args[1], torch.fx.Node):
-                source = node.args[1]
-                while is_view(source) and isinstance(source.args[0], torch.fx.Node):
-                    source = source.args[0]  # the buffer is allocated where the view chain starts
-                names.add(source.name)
+                names.add(view_base(node.args[1]).name)  # the buffer is allocated where the view chain starts
         return names
 
 
@@ -364,6 +361,13 @@ def is_view(node: torch.fx.Node) -> bool:
         return False
     returns = node.target._schema.returns
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def view_base(node):
+    """The value a chain of views (``is_view``) starts from: `node` itself when it is no view."""
+    while isinstance(node, torch.fx.Node) and is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _materializes_gradient(node: torch.fx.Node) -> bool:

@@ -95,6 +95,18 @@ def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient:
     return max(must_follow, key=position.__getitem__)
 
 
+def tensor_value(node) -> torch.Tensor | None:
+    """The fake tensor a node holds (``meta['val']``), or None for a non-tensor value or a constant."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_transpose(node) -> bool:
+    """``t(x)`` or ``permute(x, [1, 0])``."""
+    return isinstance(node, torch.fx.Node) and (node.target is torch.ops.aten.t.default or (
+        node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]))
+
+
 def copy_node(step, node: torch.fx.Node, env: dict) -> torch.fx.Node:
     """Copy one node of a harvested slice to the insert point, its inputs looked up in `env` (which
     then maps `node` to the copy), with its fake value and source line."""

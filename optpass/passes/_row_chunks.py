@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import copy_node
+from optpass.passes._graph_utils import copy_node, is_transpose, tensor_value as _val
 
 aten = torch.ops.aten
 
@@ -94,8 +94,7 @@ def _gemm_rows(gradient: torch.fx.Node, start: int, end: int, step=None, inserte
     -> ``t(mm(A, B[:, start:end]))``. Without `step`, only whether the gradient has that form
     (None if not)."""
     gemm, transposed = gradient, False
-    while isinstance(gemm, torch.fx.Node) and (gemm.target is aten.t.default or (
-            gemm.target is aten.permute.default and list(gemm.args[1]) == [1, 0])):
+    while is_transpose(gemm):
         gemm, transposed = gemm.args[0], not transposed
     if not isinstance(gemm, torch.fx.Node) or gemm.target is not aten.mm.default:
         return None
@@ -137,11 +136,6 @@ def _elementwise(update, shape: tuple) -> bool:
 def _is_scalar(node: torch.fx.Node) -> bool:
     value = _val(node)
     return value is None or value.numel() == 1
-
-
-def _val(node) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _emit(step, inserted: list, target, *args) -> torch.fx.Node:

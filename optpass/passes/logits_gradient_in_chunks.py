@@ -51,8 +51,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import copy_node
-from optpass.step import FORWARD, is_view
+from optpass.passes._graph_utils import copy_node, is_transpose, tensor_value as _val
+from optpass.step import FORWARD, is_view, view_base as _base
 
 aten = torch.ops.aten
 
@@ -104,7 +104,7 @@ def _chunked_gradients(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[
             continue
         if not node.users or any(u.target is not aten.mm.default for u in node.users):
             continue
-        if dim == 0 and _is_transpose(source):
+        if dim == 0 and is_transpose(source):
             gradient = source.args[0]
         elif dim == 1 and _val(source) is not None and _val(source).dim() == 2:
             gradient = source
@@ -128,7 +128,7 @@ def _rewrite(step, gradient: torch.fx.Node, chunks: list) -> str | None:
     slices = {s for _, _, s in chunks}
     input_gradients = []
     for user in _live_users(gradient):
-        if user in slices or (_is_transpose(user) and _live_users(user) <= slices):
+        if user in slices or (is_transpose(user) and _live_users(user) <= slices):
             continue
         if user.target is aten.mm.default and user.args[0] is gradient and _rows_are_vocab(user.args[1], vocab):
             input_gradients.append(user)
@@ -295,7 +295,7 @@ def _transposes_to_base(view) -> int | None:
     among them."""
     count = 0
     while isinstance(view, torch.fx.Node) and is_view(view):
-        if not _is_transpose(view):
+        if not is_transpose(view):
             return None
         view, count = view.args[0], count + 1
     return count
@@ -306,12 +306,6 @@ def _mutates_first_argument(node: torch.fx.Node) -> bool:
         return False
     alias = node.target._schema.arguments[0].alias_info
     return alias is not None and alias.is_write
-
-
-def _base(node):
-    while isinstance(node, torch.fx.Node) and is_view(node) and node.args:
-        node = node.args[0]
-    return node
 
 
 def _row_range(view) -> tuple | None:
@@ -330,13 +324,3 @@ def _live_users(node: torch.fx.Node) -> set[torch.fx.Node]:
 def _rows_are_vocab(weight, vocab: int) -> bool:
     value = _val(weight)
     return value is not None and value.dim() == 2 and value.shape[0] == vocab
-
-
-def _is_transpose(node) -> bool:
-    return isinstance(node, torch.fx.Node) and (node.target is aten.t.default or (
-        node.target is aten.permute.default and list(node.args[1]) == [1, 0]))
-
-
-def _val(node) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
