@@ -259,3 +259,22 @@ def test_explain_says_the_pass_runs_on_inductors_decomposed_loss():
                                         "logits_in_chunks": True}))
     line = next(line for line in text.splitlines() if f"pass {PASS}" in line)
     assert "Inductor's lowering (the default) decomposes it into pointwise ops" in line, line
+
+
+def test_a_half_precision_logits_gradient_is_left_whole_with_the_reason(monkeypatch):
+    """bf16 parameters on fp32 masters: each chunk's share of the head input's gradient would be
+    rounded to bf16 before the sum, so the pass leaves the gradient whole and says why."""
+    from optpass.passes import _row_chunks
+
+    monkeypatch.setattr(_row_chunks, "ROW_CHUNK_BYTES", 1024)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab=96, d_model=32, n_heads=2, n_layers=1, seq_len=16, tie_head=False)
+    model = TinyLM(cfg).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3))
+    step = compiled(model, opt, lm_loss, master_weights=torch.float32)
+    optpass.report.clear_reports()
+    loss = step(*lm_batch(cfg.vocab, batch=4, seq_len=16)(0))
+    assert torch.isfinite(loss)
+    outcome = next(p for r in optpass.recent_reports() for p in r.passes if p.name == PASS)
+    assert outcome.status == "skipped" and "torch.bfloat16 gradient" in outcome.reason, outcome
