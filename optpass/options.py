@@ -26,7 +26,7 @@ from optpass.errors import OptpassError
 LOWERINGS = ("inductor", "eager")
 # The passes of the pipeline, in its order (optpass.passes.PASSES; a test keeps the two equal).
 PASS_NAMES = ("loss_scaling", "clip_grad_norm_in_backward", "accumulate_gradient_in_place", "optimizer_in_backward",
-              "master_weights", "logits_gradient_in_chunks",
+              "master_weights", "logits_gradient_in_chunks", "logits_gradient_in_place",
               "reshard_after_forward", "shard_optimizer", "per_sample_grad_norm", "eliminate_dead_code")
 # The collective plans of data_parallel by name: optpass.passes.shard_optimizer registers its own
 # when optpass loads (its PLANS is this dict); option 'collectives' is 'auto' or one of them.

@@ -107,6 +107,18 @@ def is_transpose(node) -> bool:
         node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]))
 
 
+def has_fused_loss_backward(graph: torch.fx.Graph) -> bool:
+    """Whether a loss's backward is one aten op here (``_log_softmax_backward_data``: the aten graph
+    of ``optpass.explain`` and ``lower="eager"``; Inductor's lowering decomposes it pointwise)."""
+    return any(n.target in (aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
+               for n in graph.nodes)
+
+
+def is_random_or_effectful(node: torch.fx.Node) -> bool:
+    """Whether `node` draws random numbers or has a side effect (copying it would change the step)."""
+    return node.is_impure() or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def copy_node(step, node: torch.fx.Node, env: dict) -> torch.fx.Node:
     """Copy one node of a harvested slice to the insert point, its inputs looked up in `env` (which
     then maps `node` to the copy), with its fake value and source line."""

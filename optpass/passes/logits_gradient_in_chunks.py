@@ -51,7 +51,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import copy_node, is_transpose, tensor_value as _val
+from optpass.passes._graph_utils import (copy_node, has_fused_loss_backward, is_random_or_effectful, is_transpose,
+                                        tensor_value as _val)
 from optpass.step import FORWARD, is_view, view_base as _base
 
 aten = torch.ops.aten
@@ -76,7 +77,7 @@ def run(step, options) -> str | None:
         else:
             reasons.append(f"{logits_gradient.name}: {reason}")
     half = any("torch.bfloat16" in r or "torch.float16" in r for r in reasons)
-    if not rewritten and reasons and not half and _has_fused_loss_backward(step.graph):
+    if not rewritten and reasons and not half and has_fused_loss_backward(step.graph):
         return ("the loss's backward is one op in this graph (aten._log_softmax_backward_data: the aten graph that "
                 "optpass.explain and lower='eager' see); Inductor's lowering (the default) decomposes it into "
                 "pointwise ops, where this pass makes the head's logits gradient in vocabulary chunks (an fp32 "
@@ -85,11 +86,6 @@ def run(step, options) -> str | None:
         return "; ".join(reasons) or "no gradient is made in row chunks from a [tokens, vocab] gradient"
     step.notes.append(f"{rewritten} logits gradient(s) made in vocabulary chunks beside the head's update")
     return None
-
-
-def _has_fused_loss_backward(graph: torch.fx.Graph) -> bool:
-    return any(n.target in (aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
-               for n in graph.nodes)
 
 
 def _chunked_gradients(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[tuple[int, int, torch.fx.Node]]]:
@@ -192,7 +188,7 @@ def _pointwise_cone(step, gradient: torch.fx.Node, vocab: int, head_weights: set
     def made_again(node: torch.fx.Node) -> bool:
         if node not in remade:
             remade[node] = _is_head_gemm(node, vocab, head_weights) or (
-                _copyable_onto_columns(node, vocab) and not _random_or_effectful(node) and
+                _copyable_onto_columns(node, vocab) and not is_random_or_effectful(node) and
                 all(not _along(i, vocab) or not i.all_input_nodes or made_again(i) for i in node.all_input_nodes))
         return remade[node]
 
@@ -210,7 +206,7 @@ def _pointwise_cone(step, gradient: torch.fx.Node, vocab: int, head_weights: set
                 return None, "not made by pointwise ops"
             sources.add(node)
             continue
-        if _random_or_effectful(node):
+        if is_random_or_effectful(node):
             return None, f"{node.name} ({node.target}) draws random numbers or has a side effect"
         cone.add(node)
         stack.extend(node.all_input_nodes)
@@ -223,10 +219,6 @@ def _is_head_gemm(node: torch.fx.Node, vocab: int, head_weights: set) -> bool:
         return False
     transposes = _transposes_to_base(node.args[1])
     return transposes is not None and transposes % 2 == 1
-
-
-def _random_or_effectful(node: torch.fx.Node) -> bool:
-    return node.is_impure() or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _along(node, vocab: int) -> bool:
