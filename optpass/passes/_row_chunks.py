@@ -12,6 +12,16 @@ functional ``slice_scatter`` would not be made in place: docs/design.md §47). T
 written once, after the last chunk. The largest gradient of an untied language model, its output
 head's ``[vocab, d]``, made at the start of backward while every activation is alive, then costs
 one chunk there instead of the whole (docs/design.md §46).
+
+An embedding's gradient (Inductor's decomposition: a masked scatter-add of the looked-up rows'
+gradients into zeros, or into a tied head's GEMM after ``accumulate_gradient_in_place``) has rows
+just as separable: rows ``a:b`` are the tokens whose index falls in ``a:b`` scattered into
+``[b - a, d]`` zeros (or the GEMM's rows ``a:b``), written in place (``index_put_``). Its zero
+rows come from ``optpass::zeros_after`` the previous chunk's row write, which keeps the chunks
+one after another in Inductor's schedule (``kernels/after.py``; a tied weight's chunk, scattered into its GEMM's rows, reads its token
+indices copied after that write). The largest gradient of a
+language model with a large vocabulary, its embedding's (tied or not), made at the end of backward,
+then costs one chunk instead of the whole.
 """
 
 from __future__ import annotations
@@ -19,9 +29,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from optpass.kernels import after  # noqa: F401  (registers optpass::zeros_after, optpass::clone_after)
 from optpass.passes._graph_utils import copy_node, is_transpose, tensor_value as _val
 
 aten = torch.ops.aten
+_MASKED_SCATTER = aten._unsafe_masked_index_put_accumulate.default
 
 # A gradient of more than twice this many bytes is made and applied in chunks of about this many.
 ROW_CHUNK_BYTES = 2 * 2 ** 20
@@ -36,7 +48,7 @@ def row_chunks(update, gradient: torch.fx.Node) -> list[tuple[int, int]] | None:
     """The row ranges to make and apply `gradient` in, or None when it is made whole: it is small,
     not one GEMM, or the update is not elementwise over parameter-shaped values."""
     value = _val(gradient)
-    if value is None or value.dim() != 2 or _gemm_rows(gradient, 0, 1) is None:
+    if value is None or value.dim() != 2 or gradient_rows(gradient, 0, 1) is None:
         return None
     rows, nbytes = value.shape[0], value.numel() * value.element_size()
     if not isinstance(rows, int) or nbytes <= 2 * ROW_CHUNK_BYTES or not _elementwise(update, tuple(value.shape)):
@@ -62,12 +74,13 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
         if node not in per_row:
             inserted.append(copy_node(step, node, shared))
     row_targets = [t for t in update.writes if t is update.param or t in per_row]
+    previous_write = None
     for start, end in chunks:
         chunk_env = dict(shared)
         for placeholder in per_row:
             if placeholder.op == "placeholder" and placeholder is not update.gradient:
                 chunk_env[placeholder] = _emit(step, inserted, aten.slice.Tensor, env[placeholder], 0, start, end)
-        rows = _gemm_rows(gradient, start, end, step, inserted)
+        rows = gradient_rows(gradient, start, end, step, inserted, after=previous_write)
         master_dtype = _val(env[update.param]).dtype
         if _val(rows).dtype != master_dtype:
             rows = _emit(step, inserted, torch.ops.prims.convert_element_type.default, rows, master_dtype)
@@ -77,6 +90,7 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
                 inserted.append(copy_node(step, node, chunk_env))
         for target in row_targets:
             inserted.append(step.write_update(chunk_env[target], chunk_env[update.writes[target]]))
+            previous_write = inserted[-1]
         if round_into is not None:
             rounded = _emit(step, inserted, torch.ops.prims.convert_element_type.default,
                             chunk_env[update.writes[update.param]], _val(round_into).dtype)
@@ -86,6 +100,62 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
         if target not in row_targets:
             inserted.append(step.write_update(shared[target], shared[value]))
     return inserted
+
+
+def gradient_rows(gradient: torch.fx.Node, start: int, end: int, step=None, inserted=None, after=None):
+    """Rows start:end of a gradient made by one GEMM (``_gemm_rows``) or by an embedding's scatter
+    (``_scatter_rows``), seen through a dtype cast; without `step`, only whether it has such a form
+    (None if not). `after` is the previous chunk's last write (None for the first chunk)."""
+    if gradient.target is torch.ops.prims.convert_element_type.default:
+        if step is None:
+            return gradient_rows(gradient.args[0], start, end)
+        rows = gradient_rows(gradient.args[0], start, end, step, inserted, after)
+        return _emit(step, inserted, gradient.target, rows, gradient.args[1])
+    if gradient.target is _MASKED_SCATTER:
+        return _scatter_rows(gradient, start, end, step, inserted, after)
+    return _gemm_rows(gradient, start, end, step, inserted)
+
+
+def _scatter_rows(gradient: torch.fx.Node, start: int, end: int, step, inserted, after):
+    """Rows start:end of ``_unsafe_masked_index_put_accumulate(base, mask, [idx], values)`` (Inductor's
+    decomposition of an embedding's backward; ``base`` zeros, or a tied head's GEMM after
+    accumulate_gradient_in_place): the tokens whose index falls in start:end scattered into rows
+    start:end of ``base``. Zero rows come from ``optpass::zeros_after`` the previous chunk's write
+    (zero fills that read nothing let Inductor's C++ backend group every chunk's kernels and
+    allocate every chunk at once; kernels/after.py), and the scatter writes into them in place; a
+    GEMM base reads its token indices copied after that write (``optpass::clone_after``)."""
+    base, mask, indices, values = gradient.args
+    zeros = _zeros_shape(base)
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or (zeros is None and _gemm_rows(base, 0, 1) is None):
+        return None
+    if step is None:
+        return gradient
+    index = indices[0]
+    after_values = [after] if after is not None else [values]
+    if zeros is not None:
+        base_rows = _emit(step, inserted, torch.ops.optpass.zeros_after.default, [end - start, *zeros[1:]],
+                          _val(base).dtype, _val(base).device, after_values)
+    else:
+        base_rows = _gemm_rows(base, start, end, step, inserted)
+        index = _emit(step, inserted, torch.ops.optpass.clone_after.default, index, after_values)
+    in_rows = _emit(step, inserted, aten.bitwise_and.Tensor, _emit(step, inserted, aten.ge.Scalar, index, start),
+                    _emit(step, inserted, aten.lt.Scalar, index, end))
+    in_chunk = _emit(step, inserted, aten.bitwise_and.Tensor, mask,
+                     _emit(step, inserted, aten.reshape.default, in_rows, list(_val(mask).shape)))
+    row_zero = _emit(step, inserted, aten.scalar_tensor.default, 0, dtype=_val(index).dtype)
+    shifted = _emit(step, inserted, aten.where.self, in_rows, _emit(step, inserted, aten.sub.Tensor, index, start),
+                    row_zero)
+    zero = _emit(step, inserted, aten.scalar_tensor.default, 0.0, dtype=_val(values).dtype)
+    kept = _emit(step, inserted, aten.where.self, in_chunk, values, zero)
+    return _emit(step, inserted, aten.index_put_.default, base_rows, [shifted], kept, True)
+
+
+def _zeros_shape(node) -> list | None:
+    """The size of ``full(size, 0)`` (a zero-filled gradient), else None."""
+    if isinstance(node, torch.fx.Node) and node.target is aten.full.default and node.args[1] == 0 \
+            and all(isinstance(n, int) for n in node.args[0]):
+        return list(node.args[0])
+    return None
 
 
 def _gemm_rows(gradient: torch.fx.Node, start: int, end: int, step=None, inserted=None):
@@ -138,7 +208,7 @@ def _is_scalar(node: torch.fx.Node) -> bool:
     return value is None or value.numel() == 1
 
 
-def _emit(step, inserted: list, target, *args) -> torch.fx.Node:
-    node = step.emit(target, *args)
+def _emit(step, inserted: list, target, *args, **kwargs) -> torch.fx.Node:
+    node = step.emit(target, *args, **kwargs)
     inserted.append(node)
     return node

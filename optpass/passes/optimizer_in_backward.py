@@ -20,9 +20,10 @@ the same slices are placed after backward, at the end of the step graph, one
 after the other: a skipped step (inf/nan) must skip the update in the graph that
 finds the inf (``loss_scaling.py``).
 
-A large gradient made by one GEMM (a Linear weight's, e.g. a language model's output head) whose
-update is elementwise is made and applied in row chunks of about 2 MiB (``_row_chunks.py``):
-rows ``a:b`` of the gradient, then the update of rows ``a:b`` of the parameter and its state.
+A large gradient made by one GEMM (a Linear weight's, e.g. a language model's output head) or by
+an embedding's scatter (Inductor's lowering; tied to a head or not) whose update is elementwise is
+made and applied in row chunks of about 2 MiB (``_row_chunks.py``): rows ``a:b`` of the gradient,
+then the update of rows ``a:b`` of the parameter and its state.
 
 Effect: the gradient's last use is its update, so it dies there: at most a few
 gradients are live at a time instead of all of them, and of a chunked one only a chunk; ``p.grad`` is None after
@@ -79,7 +80,7 @@ def splice_updates(step, plan) -> None:
         env.update({ph: inputs[plan.lr_index[group]] for ph, group in update.lr.items()})
         anchor = (last_node_update_must_follow(position, step.param_nodes[name], gradient_values[name])
                   if plan.in_backward else end)
-        # a large gradient made by one GEMM, with an elementwise update: made and applied in row chunks
+        # a large gradient made by one GEMM or scatter, with an elementwise update: made and applied in row chunks
         chunks = row_chunks(update, gradient_values[name]) if plan.in_backward else None
         with graph.inserting_before(anchor.next):  # keeps the slice's order
             inserted = (copy_slice_in_row_chunks(step, update, env, gradient_values[name], chunks) if chunks
