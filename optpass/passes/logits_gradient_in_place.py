@@ -5,7 +5,8 @@ a backward value ``dY`` of at least 1 MiB that a GEMM reads (the gradient of a l
 ``[tokens, vocab]`` logits, read by the head's weight- and input-gradient GEMMs), made by pointwise
 ops and index-keeping views (its cone) from exactly one value ``L`` of its size and dtype that is
 made in the step (the logits GEMM's result), and from smaller values (the per-token max and
-log-sum-exp, the targets). Nothing reads ``L``, or what the cone makes of it, after ``dY``.
+log-sum-exp, the targets). Nothing reads ``L``, or what the cone makes of it, after ``dY``, once
+the forward values that do and need nothing made after ``dY`` move before it.
 
 Inductor allocates ``dY`` beside ``L`` although ``dY``'s kernel is ``L``'s last reader: its
 in-place reuse of a dying input refuses a buffer that a later in-place write of the weight
@@ -25,8 +26,12 @@ step's live peak falls by 15.6 MiB; bench/lm_memory.py), with the same kernels (
 fused into ``dY``'s). Numerics: unchanged (the same ops).
 
 Refuses: nothing. Skips (with the reason) the eager lowering, a gradient under 1 MiB, a cone with
-a random op, two or no sources of ``dY``'s size, a source that is an input or a view, and a
-reader of ``L`` after ``dY``.
+a random op, two or no sources of ``dY``'s size, a source that is an input or a view, a reader of
+``L`` after ``dY`` that needs a value made after ``dY`` (a forward value the graph computes late,
+such as the loss's picked log-probability with the update after backward, moves before ``dY``),
+a returned value that reads ``L``, and another ``[tokens, vocab]`` value made from ``L`` besides
+the loss (a softmax of the logits for a metric: Inductor's C++ backend failed to compile the write
+beside it, torch 2.13).
 
     before:                                      after:
       L = mm(x, t(W))                              L = mm(x, t(W))
@@ -108,12 +113,24 @@ def _rewrite(step, gradient: torch.fx.Node) -> str | None:
         return f"made from {logits.name}, an input or a view, which it cannot overwrite"
     if not tensor_value(logits).is_contiguous() or not value.is_contiguous():
         return f"{logits.name} or the gradient is not contiguous"
-    made_from_gradient = _descendants(gradient)
+    made_from_gradient, made_from_logits = _descendants(gradient), _descendants(logits)
+    before_gradient = _ancestors(gradient)
     position = {n: i for i, n in enumerate(step.graph.nodes)}
-    holders = {logits, *cone} | _views_of(logits)
+    # what reads the logits' buffer when it runs: the logits, their views, and the cone's values
+    # made from them (Inductor inlines those into their readers)
+    holders = {logits} | _views_of(logits) | (cone & made_from_logits)
     for reader in {u for n in holders for u in n.users} - holders - made_from_gradient:
-        if position[reader] > position[gradient] and (reader.users or reader.op == "output" or reader.is_impure()):
-            return f"{reader.name} reads the logits after their gradient is made"
+        if not (reader.users or reader.op == "output" or reader.is_impure()):
+            continue
+        if reader.op == "output":
+            return "the step returns a value that reads the logits after their gradient is made"
+        if position[reader] > position[gradient] and not _move_before(reader, gradient, position, made_from_gradient):
+            return f"{reader.name} reads the logits after their gradient is made, and needs what is made after it"
+        if reader not in before_gradient and _size_of(reader, value):
+            # another use of the whole logits (a softmax, a copy): Inductor's C++ backend failed to
+            # compile such a step with the write (a KeyError in its outer-loop fusion, torch 2.13)
+            return (f"{reader.name} ({reader.target}) makes another [tokens, vocab] value of the logits "
+                    "besides the loss")
     shape = list(value.shape)
     with step.graph.inserting_before(gradient.next):
         # A view (not the buffer itself) as the destination: Inductor writes a copy into a view
@@ -171,3 +188,33 @@ def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
                 found.add(user)
                 stack.append(user)
     return found
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    found, stack = set(), [node]
+    while stack:
+        for source in stack.pop().all_input_nodes:
+            if source not in found:
+                found.add(source)
+                stack.append(source)
+    return found
+
+
+def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, position: dict, made_from_anchor: set) -> bool:
+    """Move `node`, and what it reads that comes after `anchor`, to just before `anchor` (a forward
+    value the graph computes late, such as the loss's picked log-probability when the update runs
+    after backward); False, moving nothing, if any of it is made from `anchor`."""
+    late, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current in late or position[current] < position[anchor]:
+            continue
+        if current in made_from_anchor or current is anchor or current.op != "call_function" or current.is_impure():
+            return False
+        late.append(current)
+        stack.extend(current.all_input_nodes)
+    for moved in sorted(late, key=position.__getitem__):
+        anchor.prepend(moved)
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    position.update(order)
+    return True
