@@ -43,6 +43,20 @@ def mlp_data(step, dtype=None):
     return torch.randn(8, 16, generator=g, dtype=dtype), torch.randn(8, 4, generator=g, dtype=dtype)
 
 
+def lm_loss(model, tokens, targets):
+    """A language model's loss (``optpass.demo.models.TinyLM.loss``) as a step's loss_fn."""
+    return model.loss(tokens, targets)
+
+
+def lm_batch(vocab: int, batch: int = 4, seq_len: int = 16):
+    """step -> (tokens, next tokens) of `batch` random sequences, the same for a step every call."""
+    def data(step):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return data
+
+
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (0 when both are zero)."""
     a, b = a.detach().double(), b.detach().double()

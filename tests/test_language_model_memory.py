@@ -7,22 +7,10 @@ import torch
 
 import optpass
 from optpass.demo.models import LMConfig, TinyLM
-from parity import Twin, make_step
+from parity import Twin, lm_batch, lm_loss, make_step
 
 TOL = 1e-6
 aten = torch.ops.aten
-
-
-def lm_loss(model, tokens, targets):
-    return model.loss(tokens, targets)
-
-
-def lm_batch(vocab: int, batch: int = 4, seq_len: int = 16):
-    def data(step):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]
-    return data
 
 
 def fused_step(model, opt, lower):

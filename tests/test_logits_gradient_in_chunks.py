@@ -10,22 +10,10 @@ from expecttest import TestCase
 
 import optpass
 from optpass.demo.models import LMConfig, TinyLM
-from parity import Twin, make_step
+from parity import Twin, lm_batch, lm_loss, make_step
 
 PASS = "logits_gradient_in_chunks"
 IN_PLACE = "logits_gradient_in_place"
-
-
-def lm_loss(model, tokens, targets):
-    return model.loss(tokens, targets)
-
-
-def lm_batch(vocab: int, batch: int, seq_len: int):
-    def data(step):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]
-    return data
 
 
 def compiled(model, opt, loss_fn, **options):

@@ -166,13 +166,7 @@ def _cone(gradient: torch.fx.Node):
 
 
 def _views_of(node: torch.fx.Node) -> set[torch.fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if is_view(user) and user not in found:
-                found.add(user)
-                stack.append(user)
-    return found
+    return _reachable(node, lambda n: [u for u in n.users if is_view(u)])
 
 
 def _size_of(node: torch.fx.Node, like: torch.Tensor) -> bool:
@@ -181,40 +175,18 @@ def _size_of(node: torch.fx.Node, like: torch.Tensor) -> bool:
 
 
 def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in found:
-                found.add(user)
-                stack.append(user)
-    return found
+    return _reachable(node, lambda n: n.users)
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    return _reachable(node, lambda n: n.all_input_nodes)
+
+
+def _reachable(node: torch.fx.Node, neighbours) -> set[torch.fx.Node]:
     found, stack = set(), [node]
     while stack:
-        for source in stack.pop().all_input_nodes:
-            if source not in found:
-                found.add(source)
-                stack.append(source)
+        for other in neighbours(stack.pop()):
+            if other not in found:
+                found.add(other)
+                stack.append(other)
     return found
-
-
-def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, position: dict, made_from_anchor: set) -> bool:
-    """Move `node`, and what it reads that comes after `anchor`, to just before `anchor` (a forward
-    value the graph computes late, such as the loss's picked log-probability when the update runs
-    after backward); False, moving nothing, if any of it is made from `anchor`."""
-    late, stack = [], [node]
-    while stack:
-        current = stack.pop()
-        if current in late or position[current] < position[anchor]:
-            continue
-        if current in made_from_anchor or current is anchor or current.op != "call_function" or current.is_impure():
-            return False
-        late.append(current)
-        stack.extend(current.all_input_nodes)
-    for moved in sorted(late, key=position.__getitem__):
-        anchor.prepend(moved)
-    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
-    position.update(order)
-    return True
