@@ -57,6 +57,16 @@ def lm_batch(vocab: int, batch: int = 4, seq_len: int = 16):
     return data
 
 
+def steady_graph_after(step, *inputs):
+    """The graph after optpass's passes of the step's call on `inputs` (compiled already or now)."""
+    import optpass
+
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        step(*inputs)
+    return next(r for r in optpass.recent_reports() if r.graph_after is not None).graph_after
+
+
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (0 when both are zero)."""
     a, b = a.detach().double(), b.detach().double()

@@ -10,7 +10,7 @@ from expecttest import TestCase
 
 import optpass
 from optpass.demo.models import LMConfig, TinyLM
-from parity import Twin, lm_batch, lm_loss, make_step
+from parity import Twin, lm_batch, lm_loss, make_step, steady_graph_after
 
 PASS = "logits_gradient_in_chunks"
 IN_PLACE = "logits_gradient_in_place"
@@ -24,13 +24,6 @@ def compiled(model, opt, loss_fn, **options):
 
 def pass_notes() -> list[str]:
     return [note for r in optpass.recent_reports() for p in r.passes if p.name == PASS for note in p.notes]
-
-
-def steady_graph_after(step, *inputs):
-    optpass.report.clear_reports()
-    with optpass.keep_graphs():
-        step(*inputs)
-    return next(r for r in optpass.recent_reports() if r.graph_after is not None).graph_after
 
 
 class TestLogitsGradientInChunksGraph(TestCase):

@@ -11,7 +11,7 @@ from expecttest import TestCase
 import optpass
 from optpass.demo.models import LMConfig, TinyLM
 from optpass.passes import logits_gradient_in_place
-from parity import Twin, lm_batch, lm_loss, make_step
+from parity import Twin, lm_batch, lm_loss, make_step, steady_graph_after
 
 PASS = "logits_gradient_in_place"
 
@@ -22,13 +22,6 @@ def compiled(model, opt, loss_fn, step_fn=make_step, **options):
 
 def pass_outcomes() -> list:
     return [p for r in optpass.recent_reports() for p in r.passes if p.name == PASS]
-
-
-def steady_graph_after(step, *inputs):
-    optpass.report.clear_reports()
-    with optpass.keep_graphs():
-        step(*inputs)
-    return next(r for r in optpass.recent_reports() if r.graph_after is not None).graph_after
 
 
 class TestLogitsGradientInPlaceGraph(TestCase):
