@@ -190,3 +190,23 @@ def _reachable(node: torch.fx.Node, neighbours) -> set[torch.fx.Node]:
                 found.add(other)
                 stack.append(other)
     return found
+
+
+def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, position: dict, made_from_anchor: set) -> bool:
+    """Move `node`, and what it reads that comes after `anchor`, to just before `anchor` (a forward
+    value the graph computes late, such as the loss's picked log-probability when the update runs
+    after backward); False, moving nothing, if any of it is made from `anchor`."""
+    late, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current in late or position[current] < position[anchor]:
+            continue
+        if current in made_from_anchor or current is anchor or current.op != "call_function" or current.is_impure():
+            return False
+        late.append(current)
+        stack.extend(current.all_input_nodes)
+    for moved in sorted(late, key=position.__getitem__):
+        anchor.prepend(moved)
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    position.update(order)
+    return True
