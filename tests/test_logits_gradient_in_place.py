@@ -161,6 +161,45 @@ def test_metrics_of_the_logits_equal_eager(metric, after_backward, in_backward, 
     assert any(p.status == "applied" for p in pass_outcomes()) == applies, pass_outcomes()
 
 
+class NanoGPT(nn.Module):
+    """nanoGPT's shape in one block (SDPA attention, GELU MLP, learned positions): with the update
+    after backward the graph computes the loss's picked log-probability after the logits gradient."""
+
+    def __init__(self, vocab=4096, d=64, seq_len=32, heads=2):
+        super().__init__()
+        self.wte, self.wpe, self.heads = nn.Embedding(vocab, d), nn.Embedding(seq_len, d), heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T))
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.usefixtures("float64_default")
+def test_a_loss_the_graph_computes_after_the_gradient_moves_before_it():
+    """The update after backward (default options) on nanoGPT's shape: the loss's gather sits after
+    the logits gradient in the graph and moves before it, so the pass applies; equal to eager."""
+    torch._dynamo.reset()
+    twin = Twin(NanoGPT, lambda m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2)))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x).reshape(-1, 4096), y.reshape(-1))   # noqa: E731
+    eager = make_step(twin.eager_model, twin.eager_opt, loss_fn)
+    step = compiled(twin.compiled_model, twin.compiled_opt, loss_fn)
+    data = lm_batch(4096, batch=2, seq_len=32)
+    optpass.report.clear_reports()
+    for i in range(4):
+        assert step(*data(i)).item() == pytest.approx(eager(*data(i)).item(), rel=1e-9)
+    params, state = twin.diffs()
+    assert params <= 1e-9 and state <= 1e-9
+    assert any(p.status == "applied" for p in pass_outcomes()), pass_outcomes()
+
+
 def test_the_live_peak_holds_one_logits_sized_buffer_at_the_loss():
     """An untied LM whose step peak is the loss (256 tokens x vocab 8192: logits and their gradient,
     8 MiB each) with the update in backward: the pass takes 0.6 of the logits off the peak (which moves
