@@ -114,6 +114,23 @@ def has_fused_loss_backward(graph: torch.fx.Graph) -> bool:
                for n in graph.nodes)
 
 
+# Ops that make each element from the same element of their inputs without a pointwise tag.
+_UNTAGGED_ELEMENTWISE = {aten.where.self, aten.clone.default, aten._to_copy.default,
+                         torch.ops.prims.convert_element_type.default}
+
+
+def is_elementwise(node: torch.fx.Node) -> bool:
+    """A call tagged pointwise, or one of the elementwise ops that carry no tag."""
+    return node.op == "call_function" and (
+        torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _UNTAGGED_ELEMENTWISE)
+
+
+def live_users(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The users of `node` that are read or have an effect (a pass that replaced a value leaves the
+    old one to eliminate_dead_code)."""
+    return {u for u in node.users if u.users or u.is_impure() or u.op == "output"}
+
+
 def is_random_or_effectful(node: torch.fx.Node) -> bool:
     """Whether `node` draws random numbers or has a side effect (copying it would change the step)."""
     return node.is_impure() or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

@@ -18,10 +18,10 @@ gradients into zeros, or into a tied head's GEMM after ``accumulate_gradient_in_
 just as separable: rows ``a:b`` are the tokens whose index falls in ``a:b`` scattered into
 ``[b - a, d]`` zeros (or the GEMM's rows ``a:b``), written in place (``index_put_``). Its zero
 rows come from ``optpass::zeros_after`` the previous chunk's row write, which keeps the chunks
-one after another in Inductor's schedule (``kernels/after.py``; a tied weight's chunk, scattered into its GEMM's rows, reads its token
-indices copied after that write). The largest gradient of a
-language model with a large vocabulary, its embedding's (tied or not), made at the end of backward,
-then costs one chunk instead of the whole.
+one after another in Inductor's schedule (``kernels/after.py``; a tied weight's chunk, scattered
+into its GEMM's rows, reads its token indices copied after that write). The largest gradient of a
+language model with a large vocabulary, its embedding's (tied or not), made at the end of
+backward, then costs one chunk instead of the whole.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from optpass.kernels import after  # noqa: F401  (registers optpass::zeros_after, optpass::clone_after)
-from optpass.passes._graph_utils import copy_node, is_transpose, tensor_value as _val
+from optpass.passes._graph_utils import copy_node, is_elementwise, is_transpose, tensor_value as _val
 
 aten = torch.ops.aten
 _MASKED_SCATTER = aten._unsafe_masked_index_put_accumulate.default
@@ -39,9 +39,6 @@ _MASKED_SCATTER = aten._unsafe_masked_index_put_accumulate.default
 ROW_CHUNK_BYTES = 2 * 2 ** 20
 # At most this many chunks: each one reads the GEMM's other input again, and adds to the graph.
 MAX_CHUNKS = 16
-# Ops an elementwise update applies to parameter-shaped values, beyond those tagged pointwise.
-_ELEMENTWISE = {aten.copy.default, aten.clone.default, aten._to_copy.default, aten.where.self,
-                torch.ops.prims.convert_element_type.default}
 
 
 def row_chunks(update, gradient: torch.fx.Node) -> list[tuple[int, int]] | None:
@@ -126,7 +123,9 @@ def _scatter_rows(gradient: torch.fx.Node, start: int, end: int, step, inserted,
     GEMM base reads its token indices copied after that write (``optpass::clone_after``)."""
     base, mask, indices, values = gradient.args
     zeros = _zeros_shape(base)
-    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or (zeros is None and _gemm_rows(base, 0, 1) is None):
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+        return None
+    if zeros is None and _gemm_rows(base, 0, 1) is None:
         return None
     if step is None:
         return gradient
@@ -195,7 +194,8 @@ def _elementwise(update, shape: tuple) -> bool:
     for node in update.nodes:
         inputs = node.all_input_nodes
         if node in per_row:
-            pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _ELEMENTWISE
+            # an update's functional copy(param, value) is elementwise too
+            pointwise = is_elementwise(node) or node.target is aten.copy.default
             if not pointwise or any(i not in per_row and not _is_scalar(i) for i in inputs):
                 return False
         elif not _is_scalar(node) or any(i in per_row for i in inputs):

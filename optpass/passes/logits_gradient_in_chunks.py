@@ -51,8 +51,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import (copy_node, has_fused_loss_backward, is_random_or_effectful, is_transpose,
-                                        tensor_value as _val)
+from optpass.passes._graph_utils import (copy_node, has_fused_loss_backward, is_elementwise, is_random_or_effectful,
+                                        is_transpose, live_users, tensor_value as _val)
 from optpass.step import FORWARD, is_view, view_base as _base
 
 aten = torch.ops.aten
@@ -60,8 +60,6 @@ aten = torch.ops.aten
 # Ops that keep the vocabulary as the last dimension and are copied onto a chunk with their size
 # argument narrowed (the last entry becomes the chunk's width).
 _SIZED = {aten.expand.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# Ops copied onto a chunk as they are, beyond those tagged pointwise.
-_ELEMENTWISE = {aten.where.self, aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def run(step, options) -> str | None:
@@ -123,8 +121,8 @@ def _rewrite(step, gradient: torch.fx.Node, chunks: list) -> str | None:
         return "its chunks do not cover the vocabulary in order"
     slices = {s for _, _, s in chunks}
     input_gradients = []
-    for user in _live_users(gradient):
-        if user in slices or (is_transpose(user) and _live_users(user) <= slices):
+    for user in live_users(gradient):
+        if user in slices or (is_transpose(user) and live_users(user) <= slices):
             continue
         if user.target is aten.mm.default and user.args[0] is gradient and _rows_are_vocab(user.args[1], vocab):
             input_gradients.append(user)
@@ -235,7 +233,7 @@ def _copyable_onto_columns(node: torch.fx.Node, vocab: int) -> bool:
         value = _val(source)
         return value is not None and value.dim() >= 1 and value.shape[-1] in (1, vocab) and \
             (node.target is aten.expand.default or value.shape[-1] == vocab)
-    return torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _ELEMENTWISE
+    return is_elementwise(node)
 
 
 def _copy_onto_columns(step, cone: list, sources: list, vocab: int, start: int, end: int) -> dict:
@@ -305,12 +303,6 @@ def _row_range(view) -> tuple | None:
     if view.target is aten.slice.Tensor and len(view.args) == 4 and view.args[1] == 0:
         return view.args[2], view.args[3]
     return None
-
-
-def _live_users(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The users of `node` that are read or have an effect (a pass that replaced a value leaves the
-    old one to eliminate_dead_code)."""
-    return {u for u in node.users if u.users or u.is_impure() or u.op == "output"}
 
 
 def _rows_are_vocab(weight, vocab: int) -> bool:

@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.passes._graph_utils import has_fused_loss_backward, is_random_or_effectful, tensor_value
+from optpass.passes._graph_utils import (has_fused_loss_backward, is_elementwise, is_random_or_effectful, live_users,
+                                        tensor_value)
 from optpass.step import BACKWARD, REGION_KEY, is_view
 
 aten = torch.ops.aten
@@ -56,8 +57,6 @@ MIN_BYTES = 2 ** 20          # a smaller logits gradient is not worth a rewrite 
 # a per-token value along the vocabulary).
 _INDEX_KEEPING_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default}
-_ELEMENTWISE = {aten.where.self, aten.clone.default, aten._to_copy.default,
-                torch.ops.prims.convert_element_type.default}
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 
 
@@ -86,18 +85,13 @@ def _is_realized_backward_gradient(step, node: torch.fx.Node) -> bool:
     """A pointwise backward value of at least MIN_BYTES that a GEMM reads (so Inductor makes it a
     buffer of its own)."""
     value = tensor_value(node)
-    return (step.region_of(node) == BACKWARD and _pointwise(node) and value is not None
+    return (step.region_of(node) == BACKWARD and is_elementwise(node) and value is not None
             and value.is_floating_point() and value.numel() * value.element_size() >= MIN_BYTES
             and _read_by_gemm(node))
 
 
 def _read_by_gemm(node: torch.fx.Node) -> bool:
     return any(u.target in _GEMMS or (is_view(u) and _read_by_gemm(u)) for u in node.users)
-
-
-def _pointwise(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (
-        torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in _ELEMENTWISE)
 
 
 def _rewrite(step, gradient: torch.fx.Node) -> str | None:
@@ -119,9 +113,7 @@ def _rewrite(step, gradient: torch.fx.Node) -> str | None:
     # what reads the logits' buffer when it runs: the logits, their views, and the cone's values
     # made from them (Inductor inlines those into their readers)
     holders = {logits} | _views_of(logits) | (cone & made_from_logits)
-    for reader in {u for n in holders for u in n.users} - holders - made_from_gradient:
-        if not (reader.users or reader.op == "output" or reader.is_impure()):
-            continue
+    for reader in {u for n in holders for u in live_users(n)} - holders - made_from_gradient:
         if reader.op == "output":
             return "the step returns a value that reads the logits after their gradient is made"
         if position[reader] > position[gradient] and not _move_before(reader, gradient, position, made_from_gradient):
@@ -155,7 +147,7 @@ def _cone(gradient: torch.fx.Node):
         node = stack.pop()
         if node in cone or node in sources:
             continue
-        if _pointwise(node) or node.target in _INDEX_KEEPING_VIEWS:
+        if is_elementwise(node) or node.target in _INDEX_KEEPING_VIEWS:
             if is_random_or_effectful(node):
                 return None, f"{node.name} ({node.target}) draws random numbers or has a side effect"
             cone.add(node)
