@@ -4,10 +4,11 @@ and the step trains like eager."""
 
 import pytest
 import torch
+from expecttest import TestCase
 
 import optpass
 from optpass.demo.models import LMConfig, TinyLM
-from parity import Twin, lm_batch, lm_loss, make_step
+from parity import Twin, lm_batch, lm_loss, make_step, steady_graph_after
 
 TOL = 1e-6
 aten = torch.ops.aten
@@ -215,3 +216,208 @@ def test_bf16_masters_updated_in_row_chunks_equal_the_whole_update(lower, monkey
     assert chunk_losses == pytest.approx(whole_losses, rel=1e-6)
     for a, b in zip(chunked, whole):
         assert torch.equal(a, b) or (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
+
+
+class _TinyEmbeddingLM(torch.nn.Module):
+    """Embedding(6, 2) -> Linear(2, 6): a [6, 2] embedding (48 bytes in fp32), tied to the head or not."""
+
+    def __init__(self, tie_head: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(6, 2)
+        self.head = torch.nn.Linear(2, 6, bias=False)
+        if tie_head:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+class TestEmbeddingRowChunksGraph(TestCase):
+    """The embedding's gradient in row chunks, pinned as a graph diff against the same step with every
+    gradient made whole (Inductor's post-grad graph, SGD): chunk rows a:b are the tokens whose index
+    falls in a:b scattered into fresh [b - a, d] zeros made after the previous chunk's row write
+    (untied), or into the head GEMM's rows a:b (tied), and the update of rows a:b is written in place."""
+
+    def embedding_diff(self, tie_head: bool) -> str:
+        from optpass.passes import _row_chunks
+
+        graphs = {}
+        for chunk_bytes in (1 << 40, 16):            # whole; 48 bytes in chunks of 2 rows (16 bytes)
+            saved, _row_chunks.ROW_CHUNK_BYTES = _row_chunks.ROW_CHUNK_BYTES, chunk_bytes
+            try:
+                torch._dynamo.reset()
+                torch.manual_seed(0)
+                model = _TinyEmbeddingLM(tie_head)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                loss = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)      # noqa: E731
+                step = torch.compile(make_step(model, opt, loss), backend="optpass",
+                                     options={"optimizer": opt, "optimizer_in_backward": True,
+                                              "disable_passes": ["logits_gradient_in_place"]})
+                graphs[chunk_bytes] = steady_graph_after(step, torch.tensor([0, 5, 2, 3, 1]),
+                                                         torch.tensor([1, 0, 4, 2, 5]))
+            finally:
+                _row_chunks.ROW_CHUNK_BYTES = saved
+        return optpass.graph_diff(graphs[1 << 40], graphs[16], shapes=False, context=0)
+
+    def test_an_untied_embedding_gradient_is_scattered_into_zeros_per_chunk(self):
+        self.assertExpectedInline(self.embedding_diff(tie_head=False), """\
+--- before
++++ after
+@@ -53 +52,0 @@
+-mm_1 = aten.mm(permute_1, tanh_0)
+@@ -55 +54 @@
+-mm_2 = aten.mm(sub_2, permute_2)
++mm_1 = aten.mm(sub_2, permute_2)
+@@ -57,3 +56,18 @@
+-fma_0 = prims.fma(mm_1, neg_1, in2)
+-copy_0 = aten.copy(in2, fma_0)
+-copy__0 = aten.copy_(in2, copy_0)
++slice_0 = aten.slice.Tensor(in2, 0, 0, 2)
++slice_1 = aten.slice.Tensor(permute_1, 0, 0, 2)
++mm_2 = aten.mm(slice_1, tanh_0)
++fma_0 = prims.fma(mm_2, neg_1, slice_0)
++copy_0 = aten.copy(slice_0, fma_0)
++copy__0 = aten.copy_(slice_0, copy_0)
++slice_2 = aten.slice.Tensor(in2, 0, 2, 4)
++slice_3 = aten.slice.Tensor(permute_1, 0, 2, 4)
++mm_3 = aten.mm(slice_3, tanh_0)
++fma_1 = prims.fma(mm_3, neg_1, slice_2)
++copy_1 = aten.copy(slice_2, fma_1)
++copy__1 = aten.copy_(slice_2, copy_1)
++slice_4 = aten.slice.Tensor(in2, 0, 4, 6)
++slice_5 = aten.slice.Tensor(permute_1, 0, 4, 6)
++mm_4 = aten.mm(slice_5, tanh_0)
++fma_2 = prims.fma(mm_4, neg_1, slice_4)
++copy_2 = aten.copy(slice_4, fma_2)
++copy__2 = aten.copy_(slice_4, copy_2)
+@@ -62 +76 @@
+-mul_3 = aten.mul.Tensor(mm_2, sub_3)
++mul_3 = aten.mul.Tensor(mm_1, sub_3)
+@@ -69,2 +82,0 @@
+-full_5 = aten.full([6, 2], 0, dtype=torch.float32, layout=torch.strided, device=device('cpu'), pin_memory=False)
+-_unsafe_masked_index_put_accumulate_0 = aten._unsafe_masked_index_put_accumulate(full_5, unsqueeze_2, [in1], mul_3)
+@@ -72,3 +84,48 @@
+-fma_1 = prims.fma(_unsafe_masked_index_put_accumulate_0, neg_2, in0)
+-copy_1 = aten.copy(in0, fma_1)
+-copy__1 = aten.copy_(in0, copy_1)
++slice_6 = aten.slice.Tensor(in0, 0, 0, 2)
++zeros_after_0 = optpass.zeros_after([2, 2], torch.float32, device('cpu'), [mul_3])
++ge_1 = aten.ge.Scalar(in1, 0)
++lt_1 = aten.lt.Scalar(in1, 2)
++bitwise_and_2 = aten.bitwise_and.Tensor(ge_1, lt_1)
++reshape_1 = aten.reshape(bitwise_and_2, [5, 1])
++bitwise_and_3 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_1)
++scalar_tensor_2 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_4 = aten.sub.Tensor(in1, 0)
++where_5 = aten.where.self(bitwise_and_2, sub_4, scalar_tensor_2)
++scalar_tensor_3 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_6 = aten.where.self(bitwise_and_3, mul_3, scalar_tensor_3)
++index_put__0 = aten.index_put_(zeros_after_0, [where_5], where_6, True)
++fma_3 = prims.fma(index_put__0, neg_2, slice_6)
++copy_3 = aten.copy(slice_6, fma_3)
++copy__3 = aten.copy_(slice_6, copy_3)
++slice_7 = aten.slice.Tensor(in0, 0, 2, 4)
++zeros_after_1 = optpass.zeros_after([2, 2], torch.float32, device('cpu'), [copy__3])
++ge_2 = aten.ge.Scalar(in1, 2)
++lt_2 = aten.lt.Scalar(in1, 4)
++bitwise_and_4 = aten.bitwise_and.Tensor(ge_2, lt_2)
++reshape_2 = aten.reshape(bitwise_and_4, [5, 1])
++bitwise_and_5 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_2)
++scalar_tensor_4 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_5 = aten.sub.Tensor(in1, 2)
++where_7 = aten.where.self(bitwise_and_4, sub_5, scalar_tensor_4)
++scalar_tensor_5 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_8 = aten.where.self(bitwise_and_5, mul_3, scalar_tensor_5)
++index_put__1 = aten.index_put_(zeros_after_1, [where_7], where_8, True)
++fma_4 = prims.fma(index_put__1, neg_2, slice_7)
++copy_4 = aten.copy(slice_7, fma_4)
++copy__4 = aten.copy_(slice_7, copy_4)
++slice_8 = aten.slice.Tensor(in0, 0, 4, 6)
++zeros_after_2 = optpass.zeros_after([2, 2], torch.float32, device('cpu'), [copy__4])
++ge_3 = aten.ge.Scalar(in1, 4)
++lt_3 = aten.lt.Scalar(in1, 6)
++bitwise_and_6 = aten.bitwise_and.Tensor(ge_3, lt_3)
++reshape_3 = aten.reshape(bitwise_and_6, [5, 1])
++bitwise_and_7 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_3)
++scalar_tensor_6 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_6 = aten.sub.Tensor(in1, 4)
++where_9 = aten.where.self(bitwise_and_6, sub_6, scalar_tensor_6)
++scalar_tensor_7 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_10 = aten.where.self(bitwise_and_7, mul_3, scalar_tensor_7)
++index_put__2 = aten.index_put_(zeros_after_2, [where_9], where_10, True)
++fma_5 = prims.fma(index_put__2, neg_2, slice_8)
++copy_5 = aten.copy(slice_8, fma_5)
++copy__5 = aten.copy_(slice_8, copy_5)""")
+
+    def test_a_tied_embedding_gradient_is_scattered_into_the_head_gemm_rows_per_chunk(self):
+        self.assertExpectedInline(self.embedding_diff(tie_head=True), """\
+--- before
++++ after
+@@ -52 +51,0 @@
+-mm_1 = aten.mm(permute_1, tanh_0)
+@@ -54 +53 @@
+-mm_2 = aten.mm(sub_2, permute_2)
++mm_1 = aten.mm(sub_2, permute_2)
+@@ -57 +56 @@
+-mul_3 = aten.mul.Tensor(mm_2, sub_3)
++mul_3 = aten.mul.Tensor(mm_1, sub_3)
+@@ -64 +62,0 @@
+-_unsafe_masked_index_put_accumulate_0 = aten._unsafe_masked_index_put_accumulate(mm_1, unsqueeze_2, [in1], mul_3)
+@@ -66,3 +64,54 @@
+-fma_0 = prims.fma(_unsafe_masked_index_put_accumulate_0, neg_1, in0)
+-copy_0 = aten.copy(in0, fma_0)
+-copy__0 = aten.copy_(in0, copy_0)
++slice_0 = aten.slice.Tensor(in0, 0, 0, 2)
++slice_1 = aten.slice.Tensor(permute_1, 0, 0, 2)
++mm_2 = aten.mm(slice_1, tanh_0)
++clone_after_0 = optpass.clone_after(in1, [mul_3])
++ge_1 = aten.ge.Scalar(clone_after_0, 0)
++lt_1 = aten.lt.Scalar(clone_after_0, 2)
++bitwise_and_2 = aten.bitwise_and.Tensor(ge_1, lt_1)
++reshape_1 = aten.reshape(bitwise_and_2, [5, 1])
++bitwise_and_3 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_1)
++scalar_tensor_2 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_4 = aten.sub.Tensor(clone_after_0, 0)
++where_5 = aten.where.self(bitwise_and_2, sub_4, scalar_tensor_2)
++scalar_tensor_3 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_6 = aten.where.self(bitwise_and_3, mul_3, scalar_tensor_3)
++index_put__0 = aten.index_put_(mm_2, [where_5], where_6, True)
++fma_0 = prims.fma(index_put__0, neg_1, slice_0)
++copy_0 = aten.copy(slice_0, fma_0)
++copy__0 = aten.copy_(slice_0, copy_0)
++slice_2 = aten.slice.Tensor(in0, 0, 2, 4)
++slice_3 = aten.slice.Tensor(permute_1, 0, 2, 4)
++mm_3 = aten.mm(slice_3, tanh_0)
++clone_after_1 = optpass.clone_after(in1, [copy__0])
++ge_2 = aten.ge.Scalar(clone_after_1, 2)
++lt_2 = aten.lt.Scalar(clone_after_1, 4)
++bitwise_and_4 = aten.bitwise_and.Tensor(ge_2, lt_2)
++reshape_2 = aten.reshape(bitwise_and_4, [5, 1])
++bitwise_and_5 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_2)
++scalar_tensor_4 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_5 = aten.sub.Tensor(clone_after_1, 2)
++where_7 = aten.where.self(bitwise_and_4, sub_5, scalar_tensor_4)
++scalar_tensor_5 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_8 = aten.where.self(bitwise_and_5, mul_3, scalar_tensor_5)
++index_put__1 = aten.index_put_(mm_3, [where_7], where_8, True)
++fma_1 = prims.fma(index_put__1, neg_1, slice_2)
++copy_1 = aten.copy(slice_2, fma_1)
++copy__1 = aten.copy_(slice_2, copy_1)
++slice_4 = aten.slice.Tensor(in0, 0, 4, 6)
++slice_5 = aten.slice.Tensor(permute_1, 0, 4, 6)
++mm_4 = aten.mm(slice_5, tanh_0)
++clone_after_2 = optpass.clone_after(in1, [copy__1])
++ge_3 = aten.ge.Scalar(clone_after_2, 4)
++lt_3 = aten.lt.Scalar(clone_after_2, 6)
++bitwise_and_6 = aten.bitwise_and.Tensor(ge_3, lt_3)
++reshape_3 = aten.reshape(bitwise_and_6, [5, 1])
++bitwise_and_7 = aten.bitwise_and.Tensor(unsqueeze_2, reshape_3)
++scalar_tensor_6 = aten.scalar_tensor(0, dtype=torch.int64)
++sub_6 = aten.sub.Tensor(clone_after_2, 4)
++where_9 = aten.where.self(bitwise_and_6, sub_6, scalar_tensor_6)
++scalar_tensor_7 = aten.scalar_tensor(0.0, dtype=torch.float32)
++where_10 = aten.where.self(bitwise_and_7, mul_3, scalar_tensor_7)
++index_put__2 = aten.index_put_(mm_4, [where_9], where_10, True)
++fma_2 = prims.fma(index_put__2, neg_1, slice_4)
++copy_2 = aten.copy(slice_4, fma_2)
++copy__2 = aten.copy_(slice_4, copy_2)""")
