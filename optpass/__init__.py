@@ -9,6 +9,7 @@ See README.md for the supported step shape, the options and the passes.
 from optpass.backend import optpass_backend
 from optpass.capture import (BackwardOutsideGraphWarning, GraphKind, OptimizerStepInLoopWarning,
                              RecompilingUpdateWarning, RecurrentLayerFallbackWarning)
+from optpass.runtime.gradient_clearing import GradientsNeverClearedWarning
 from optpass.errors import OptpassError
 from optpass.explain import Explanation, explain
 from optpass.options import options_help
@@ -42,7 +43,7 @@ def __getattr__(name):
 __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
-    "RecurrentLayerFallbackWarning", "OptimizerStepInLoopWarning",
+    "RecurrentLayerFallbackWarning", "OptimizerStepInLoopWarning", "GradientsNeverClearedWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
     "master_weights", "skipped_steps", "grad_norm", "fully_shard", "full_state_dict", "load_full_state_dict",

@@ -71,7 +71,7 @@ class SourceLine:
         return f'{self.file}:{self.line} in {self.function}' + (f': {code}' if code else '')
 
 
-def _is_user_file(path: str) -> bool:
+def is_user_file(path: str) -> bool:
     path = os.path.abspath(path)
     if path in _OPTPASS_USER_FILES:
         return True
@@ -81,7 +81,7 @@ def _is_user_file(path: str) -> bool:
 def user_line_from_frames(frames: list[traceback.FrameSummary]) -> SourceLine | None:
     """The innermost user frame of a list of frame summaries (outermost first)."""
     for frame in reversed(frames):
-        if _is_user_file(frame.filename):
+        if is_user_file(frame.filename):
             return SourceLine(frame.filename, frame.lineno or 0, frame.name, frame.line or "")
     return None
 

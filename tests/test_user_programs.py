@@ -454,3 +454,94 @@ def test_token_weighted_accumulation_as_the_readme_writes_it_equals_eager():
     for p, q in zip(model.parameters(), model_ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert p.grad is None
+
+
+def _sgd_pair():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _step_never_clearing(model, opt):
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        return out
+    return train_step
+
+
+def _gradients_never_cleared(caught) -> list:
+    from optpass.runtime.gradient_clearing import GradientsNeverClearedWarning
+    return [w for w in caught if issubclass(w.category, GradientsNeverClearedWarning)]
+
+
+def test_a_step_that_never_clears_gradients_is_warned_at_its_backward_line():
+    """Eager adds each step's gradients to the last one's when nothing clears them; optpass's update
+    in backward reads the step's own. The two differ from the second step: say so, at the step's line."""
+    from optpass.runtime import gradient_clearing
+
+    gradient_clearing._WARNED.clear()
+    torch._dynamo.reset()
+    model, opt = _sgd_pair()
+    step = torch.compile(_step_never_clearing(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(torch.randn(3, 4), torch.randn(3, 2))
+    [warning] = _gradients_never_cleared(caught)
+    message = str(warning.message)
+    assert "opt.zero_grad()" in message and "accumulation_steps" in message
+    assert warning.filename == __file__ and "loss.backward()" in open(__file__).readlines()[warning.lineno - 1]
+
+
+def test_zero_grad_in_the_loop_around_the_step_is_seen_and_equals_eager():
+    """opt.zero_grad() before each call, in the caller's loop: no warning, and eager's result."""
+    from optpass.runtime import gradient_clearing
+
+    gradient_clearing._WARNED.clear()
+    torch._dynamo.reset()
+    (model, opt), (eager_model, eager_opt) = _sgd_pair(), _sgd_pair()
+    step = torch.compile(_step_never_clearing(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True})
+    eager = _step_never_clearing(eager_model, eager_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            x, y = torch.randn(3, 4), torch.randn(3, 2)
+            opt.zero_grad()
+            eager_opt.zero_grad()
+            step(x, y)
+            eager(x, y)
+    assert not _gradients_never_cleared(caught)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_step_that_clears_gradients_first_is_not_warned_and_equals_eager():
+    from optpass.runtime import gradient_clearing
+
+    def make(model, opt):
+        def train_step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            return out
+        return train_step
+
+    gradient_clearing._WARNED.clear()
+    torch._dynamo.reset()
+    (model, opt), (eager_model, eager_opt) = _sgd_pair(), _sgd_pair()
+    step = torch.compile(make(model, opt), backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
+    eager = make(eager_model, eager_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            x, y = torch.randn(3, 4), torch.randn(3, 2)
+            torch.testing.assert_close(step(x, y), eager(x, y))
+    assert not _gradients_never_cleared(caught)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q)

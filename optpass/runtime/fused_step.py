@@ -71,6 +71,7 @@ from optpass.passes._graph_utils import GRAD_NORM_OUTPUT, keep_updates_where_gra
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.precision import grad_scaler
 from optpass.runtime import grad_norm
+from optpass.runtime.gradient_clearing import warn_if_gradients_never_cleared
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -160,6 +161,9 @@ class FusedStep:
         self._membership: tuple | None = None
         self._compiled: dict[tuple, _FusedGraph] = {}
         self._find_fused_parameters()
+        if options.accumulation_steps == 1:
+            warn_if_gradients_never_cleared(
+                captured.backward_line, self.feature if options.optimizer_in_backward else "the update in the step graph")
 
     def _find_fused_parameters(self) -> None:
         """The step's parameters that the optimizer updates (again after add_param_group)."""
