@@ -64,7 +64,7 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
         report.gradient_bytes = sum(_nbytes(step.gradient_nodes[n]) for n in step.gradient_nodes)
         report.largest_gradient_bytes = max((_nbytes(g) for g in step.gradient_nodes.values()), default=0)
         report.graph_before = _snapshot(graph)
-        report.memory_before = estimate_peak_memory(graph, tag=tag)
+        report.memory_before = _named_inputs(estimate_peak_memory(graph, tag=tag), step)
     report.passes = passes.run_pipeline(step, options)
     if options.lower == "inductor":
         _spell_out_alpha(step)
@@ -75,7 +75,21 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     report.aten_ops_after = passes.count_ops(graph)
     if keep:
         report.graph_after = _snapshot(graph)
-        report.memory_after = estimate_peak_memory(graph, tag=tag)
+        report.memory_after = _named_inputs(estimate_peak_memory(graph, tag=tag), step)
+
+
+def _named_inputs(estimate, step: StepGraph):
+    """The estimate with the placeholders of parameters and optimizer state named as the user knows
+    them (``embed.weight``, ``embed.weight exp_avg``), not by the aten graph's ``arg0_1``."""
+    names = {node.name: name for name, node in step.param_nodes.items()}
+    by_index = {n.meta["desc"].idx: n for n in step.graph.nodes
+                if n.op == "placeholder" and hasattr(n.meta.get("desc"), "idx")}
+    for plan in step.context.values():
+        for (param, key), index in getattr(plan, "state_index", {}).items():
+            if index in by_index:
+                names[by_index[index].name] = f"{param} {key}"
+    return dataclasses.replace(estimate, live_at_peak=[(names.get(node, node), nbytes, tag)
+                                                       for node, nbytes, tag in estimate.live_at_peak])
 
 
 def lower(gm, example_inputs, context, *, captured, options):

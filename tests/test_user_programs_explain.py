@@ -410,3 +410,27 @@ def test_master_weights_windows_restart_where_the_user_clears():
         runs.append([p.detach().clone() for p in model.parameters()])
         torch._dynamo.reset()
     assert same(runs[0], runs[1])
+
+
+def test_explain_names_what_is_largest_at_the_peak_as_the_user_knows_it():
+    """The largest buffers at the estimated peak are named by parameter (and state key), as
+    model.named_parameters() and opt.state name them, not by the aten graph's placeholders."""
+    import re
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x).mean(1), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    text = str(optpass.explain(train_step, torch.randint(0, 512, (4, 8)), torch.tensor([0, 1, 2, 3]),
+                               options={"optimizer": opt, "optimizer_in_backward": True}))
+    [line] = [line for line in text.splitlines() if "largest live at the peak" in line]
+    assert "0.weight " in line and re.search(r"0\.weight (exp_avg|exp_avg_sq) ", line), line
+    assert not re.search(r"\barg\d+_\d+\b", line), line
