@@ -202,6 +202,55 @@ def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor",
         return results
 
 
+class _EmbeddingModel(nn.Module):
+    """Embedding(4096, 64), its rows normalized (RMS, no weight) into a Linear, a residual add, an
+    untied head: Inductor reads the looked-up rows in the norm, the add and the norm's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(4096, 64), nn.Linear(64, 64), nn.Linear(64, 4096)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.head(h + torch.tanh(self.mid(normed)))
+
+
+def lookups_materialized(rank, world, workdir):
+    """Inductor, update in backward, the embedding's lookup a buffer of its own or left to Inductor:
+    both train equal to one process (float64), and the pass says which it did. (The memory this
+    saves is measured in one process, tests/test_fsdp_lookups.py: torch.profiler's memory events,
+    which measure_tensor_peak reads, miss the frees gloo's threads make.)"""
+    torch.set_default_dtype(torch.float64)
+
+    def cross_entropy(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    results = {}
+    for materialize in (True, False):
+        with reshard_settings(MATERIALIZE_LOOKUPS=materialize):
+            torch._dynamo.reset()
+            optpass.report.clear_reports()
+            torch.manual_seed(0)
+            model, opt, reference, ref_opt = fsdp_and_reference(_EmbeddingModel, adamw)
+            step = torch.compile(make_step(model, opt, cross_entropy), backend="optpass",
+                                 options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+            reference_step = make_step(reference, ref_opt, cross_entropy)
+            losses = []
+            for i in range(3):
+                g = torch.Generator().manual_seed(i)
+                tokens = torch.randint(0, 4096, (2 * world, 9), generator=g)
+                x, y = tokens[:, :-1], tokens[:, 1:]
+                loss = step(mine(x, rank, world), mine(y, rank, world))
+                full_loss = loss.clone()
+                dist.all_reduce(full_loss)
+                losses.append(abs(full_loss.item() / world - reference_step(x, y).item()))
+            notes = [n for r in optpass.recent_reports() for p in r.passes for n in p.notes if "looked up" in n]
+            results[materialize] = {"vs_one_process": worst(optpass.full_state_dict(model), reference),
+                                    "loss": max(losses), "notes": notes}
+    return results
+
+
 def coalesced_units_inductor(rank, world, workdir):
     return coalesced_units(rank, world, workdir, configs=(("inductor", True),))
 

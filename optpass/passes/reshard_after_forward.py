@@ -21,6 +21,11 @@ is used. On gloo too: there the shards' collectives run on a twin of the user's 
 worker thread (``optpass.process_groups``), which runs them one after another; on gloo's usual two
 threads, two collectives in flight with an all-gather among them corrupt the process's heap
 (torch 2.13; docs/design.md §45).
+Under Inductor's lowering, each forward lookup in a gathered parameter (an embedding's rows) is also
+copied into a buffer of its own (``optpass::clone_after``, ``MATERIALIZE_LOOKUPS``): Inductor computes
+an index load where it is read, so the residual stream's adds and norms, in forward and in backward,
+would each look the rows up again and keep the whole gathered parameter alive to the end of backward
+(one vocabulary-sized tensor more at a language model's peak than the eager lowering holds).
 Effect: a gathered parameter dies after its last forward use and lives again only around its
 backward use, so at most the parameters in flight and in use are whole at any time (docs/design.md
 §39: the one graph holds forward and backward, so this is the recompute decision, taken the same way
@@ -62,6 +67,9 @@ INDUCTOR_CONFIG = KEEP_EMITTED_ORDER
 COALESCE_UNITS: bool | str = "auto"
 # Whether each all-gather starts before the previous one's wait.
 PREFETCH: bool = True
+# Whether a lookup in a gathered parameter (an embedding) is copied into a buffer of its own under
+# Inductor's lowering, so the gathered parameter dies after the lookup (``_materialize_lookups``).
+MATERIALIZE_LOOKUPS: bool = True
 
 
 def settings(captured=None) -> tuple:
@@ -71,7 +79,7 @@ def settings(captured=None) -> tuple:
     named_units = sorted((p.name, spec.unit) for p in (captured.params if captured is not None else ())
                          if p.tensor is not None and (spec := shard_spec(p.tensor)) is not None
                          and spec.unit is not None)
-    return COALESCE_UNITS, PREFETCH, tuple(named_units)
+    return COALESCE_UNITS, PREFETCH, MATERIALIZE_LOOKUPS, tuple(named_units)
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -87,6 +95,8 @@ def run(step: StepGraph, options) -> str | None:
             continue
         for copy in _regather_for_backward(step, start, order) or ():
             regathered.append((copy, name))
+    looked_up = (_materialize_lookups(step, gathers, order)
+                 if options.lower == "inductor" and MATERIALIZE_LOOKUPS else [])
     on_gloo = _on_gloo(gathers[0][2], gathers[0][0])
     coalesce = not on_gloo if COALESCE_UNITS == "auto" else bool(COALESCE_UNITS)
     prefetch = bool(PREFETCH)
@@ -108,6 +118,10 @@ def run(step: StepGraph, options) -> str | None:
     step.notes.append(f"all-gathered again in backward just before backward reads them (the forward's copy "
                       f"died after its last forward use), {len(backward_units)} collective(s): "
                       f"{_names(name for _, name in regathered) or 'none'}")
+    if looked_up:
+        step.notes.append(f"rows looked up in a gathered parameter made a buffer of their own (Inductor would "
+                          f"look them up again in every later kernel that reads them, keeping the whole "
+                          f"parameter alive through backward): {_names(looked_up)}")
     if kept:
         step.notes.append(f"kept from forward to backward (reshard_after_forward=False): {_names(kept)}")
     step.notes.append(f"reduce-scattered onto this rank's shard as each gradient is final in backward: "
@@ -238,6 +252,41 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -
             user.replace_input_with(node, mapping[node])
         starts.append(mapping[start])
     return starts
+
+
+# Ops that read rows of their first argument at indices: Inductor inlines them into their readers.
+_LOOKUPS = {torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor,
+            torch.ops.aten.index_select.default}
+
+
+def _materialize_lookups(step: StepGraph, gathers, order: dict) -> list[str]:
+    """Make each forward lookup in a gathered parameter (an embedding) a buffer of its own.
+
+    Inductor computes an index load where it is read, so a lookup's readers (the residual stream's
+    adds and norms, in forward and in backward) each look the rows up again in the gathered
+    parameter, which then lives until the last of them, in backward: a whole vocabulary-sized
+    parameter beside the backward's peak, for a [tokens, d] activation. An opaque copy of the lookup
+    (``optpass::clone_after`` with nothing to wait for) makes Inductor write the rows once; the gathered
+    parameter's last reader is then the lookup. Returns the parameters whose lookups were copied."""
+    from optpass.kernels import after  # noqa: F401  (registers optpass::clone_after)
+
+    names = []
+    for start, name, _ in gathers:
+        wait = _first_wait(start, order)
+        if wait is None:
+            continue
+        lookups = [user for node in _chain(wait) for user in node.users
+                   if user.target in _LOOKUPS and user.args[0] is node and step.region_of(user) == FORWARD]
+        for lookup in lookups:
+            readers = list(lookup.users)
+            with step.graph.inserting_after(lookup):
+                rows = step.emit(torch.ops.optpass.clone_after.default, lookup, [])
+            rows.meta[REGION_KEY] = FORWARD
+            for reader in readers:
+                reader.replace_input_with(lookup, rows)
+        if lookups:
+            names.append(name)
+    return names
 
 
 def _prefetch_one_ahead(step: StepGraph, starts) -> None:
