@@ -71,7 +71,7 @@ from optpass.passes._graph_utils import GRAD_NORM_OUTPUT, keep_updates_where_gra
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.precision import grad_scaler
 from optpass.runtime import grad_norm
-from optpass.runtime.gradient_clearing import warn_if_gradients_never_cleared
+from optpass.runtime.gradient_clearing import check_gradients_cleared
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -161,9 +161,6 @@ class FusedStep:
         self._membership: tuple | None = None
         self._compiled: dict[tuple, _FusedGraph] = {}
         self._find_fused_parameters()
-        if options.accumulation_steps == 1:
-            warn_if_gradients_never_cleared(
-                captured.backward_line, self.feature if options.optimizer_in_backward else "the update in the step graph")
 
     def _find_fused_parameters(self) -> None:
         """The step's parameters that the optimizer updates (again after add_param_group)."""
@@ -189,6 +186,9 @@ class FusedStep:
                                 zip(self.fused.values(), self.fused_slots)}
                 return outputs
             session.micro_steps, session.left = 0, {}      # this call applies the update: .grad None after
+        else:
+            check_gradients_cleared(self.captured.backward_line, self.feature if self.options.optimizer_in_backward
+                                    else "the update in the step graph", self.fused)
         if self.options.grad_scaler is not None:
             grad_scaler.check_accumulated(self.options.grad_scaler, self.captured.accumulating)
         fused, extras = self._compiled.get(self._state_layout()), None
