@@ -202,6 +202,36 @@ def coalesced_units(rank, world, workdir, configs=(("eager", True), ("inductor",
         return results
 
 
+def ranks_seeded_differently(rank, world, workdir):
+    """A meta-built model initialized by reset_parameters(): ranks seeded alike train the one-process
+    model, silently; seeded differently (each rank drew its rows from another draw) they get a
+    RanksSeededDifferentlyWarning at the first step; seeded differently with an init that draws
+    nothing (constants) they get none."""
+    def build(seed, constant=False):
+        torch._dynamo.reset()
+        with torch.device("meta"):
+            model = mlp_unseeded()
+        optpass.fully_shard(model)
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if constant and isinstance(module, (nn.Linear, nn.LayerNorm)):
+                nn.init.constant_(module.weight, 0.5)
+                nn.init.constant_(module.bias, 0.0)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        opt = sgd(model)
+        step = torch.compile(make_step(model, opt), backend="optpass",
+                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+        x, y = batch(0, world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(mine(x, rank, world), mine(y, rank, world))
+        return [str(w.message) for w in caught if issubclass(w.category, optpass.RanksSeededDifferentlyWarning)]
+
+    return {"alike": build(0), "differently": build(rank), "constants": build(rank, constant=True)}
+
+
 class _EmbeddingModel(nn.Module):
     """Embedding(4096, 64), its rows normalized (RMS, no weight) into a Linear, a residual add, an
     untied head: Inductor reads the looked-up rows in the norm, the add and the norm's backward."""

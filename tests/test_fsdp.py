@@ -22,7 +22,7 @@ TWO = ["meta_device_recipes", "hf_load_safetensors", "equivalence", "tied_weight
        "hf_llama", "hf_gpt2_tied", "clip_grad_norm_option", "fp16_scaler_with_an_inf_on_one_rank",
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_off_gloo",
        "gloo_collectives_run_on_one_thread", "coalesced_units", "fsdp2_style_blocks_then_root",
-       "fsdp2_style_blocks_only", "hf_llama_per_block", "lookups_materialized"]
+       "fsdp2_style_blocks_only", "hf_llama_per_block", "lookups_materialized", "ranks_seeded_differently"]
 THREE = ["meta_device_recipes", "hf_load_safetensors", "fsdp2_style_blocks_then_root", "hf_llama_per_block", "equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
          "coalesced_units_inductor"]
 
@@ -526,3 +526,11 @@ def test_an_embeddings_lookup_made_a_buffer_or_not_trains_as_one_process_under_i
             assert got[materialize]["vs_one_process"] <= 1e-12 and got[materialize]["loss"] <= 1e-12, got
         assert got[True]["notes"] and "embed.weight" in got[True]["notes"][0], got[True]["notes"]
         assert not got[False]["notes"], got[False]["notes"]
+
+
+def test_ranks_that_draw_a_meta_models_init_from_different_seeds_are_warned(two):
+    for result in two:
+        got = _ok(result["ranks_seeded_differently"])
+        assert got["alike"] == [] and got["constants"] == [], got
+        [message] = got["differently"]
+        assert "torch.manual_seed(seed) on every rank" in message, message

@@ -18,6 +18,12 @@ the shards hold exactly the rows of what the same initialization under the same 
 unsharded model, and no rank holds more than its shards and the one full parameter being
 initialized.
 
+Every rank must draw the same random numbers for this to give one process's model: each rank
+keeps its rows of its own full draw. The random generator's state at the first gather is compared
+across the ranks when initialization ends; where the ranks drew random numbers from different
+states, a ``RanksSeededDifferentlyWarning`` says so (the model is a valid random initialization,
+but not the one a single process under one seed gives).
+
 Initialization ends at the model's first compiled step, or ``full_state_dict``, or
 ``load_full_state_dict``, whichever comes first (``finish_initialization``): every temporary still
 alive is written back, and a shard or floating-point buffer that nothing wrote since ``to_empty``
@@ -33,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from optpass.errors import OptpassError
+from optpass.errors import OptpassError, warn_at_user_line
 
 # shard -> ShardSpec, for the shards materialized from the meta device and not yet initialized
 _INITIALIZING: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -46,6 +52,15 @@ _VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _WRITTEN_DIRECTLY: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 # every module passed to fully_shard, in the order of the calls (the same on every rank)
 _ROOTS: "list[weakref.ref[torch.nn.Module]]" = []
+
+
+# the CPU random generator's state at the first gather of the initialization window (None: none yet)
+_RNG_AT_FIRST_GATHER: list = [None]
+
+
+class RanksSeededDifferentlyWarning(UserWarning):
+    """The ranks drew random numbers for a meta-built model's initialization from different generator
+    states: each rank's rows come from a different draw (see the module docstring)."""
 
 
 def mark_written(shard: torch.Tensor, loaded: bool = False) -> None:
@@ -117,6 +132,8 @@ def full_for_initialization(shard: torch.Tensor, spec) -> torch.Tensor:
     for older in list(_ALIVE):        # one still alive (held by a reference cycle) writes back first,
         if older.__dict__.get("_optpass_target", (None,))[0] is shard:      # not over this one later
             older.write_back()
+    if _RNG_AT_FIRST_GATHER[0] is None:
+        _RNG_AT_FIRST_GATHER[0] = torch.random.get_rng_state()
     pieces = torch.empty(spec.chunk * spec.world, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
     with torch.no_grad():
         # one broadcast per rank into its rows of the full tensor: nothing but the full tensor is
@@ -195,6 +212,7 @@ def finish_initialization(root: torch.nn.Module) -> None:
             "optpass.load_full_state_dict(model, checkpoint)), e.g. a rotary table computed in the constructor.")
     group = next((_INITIALIZING[p].group for _, p in shards), None)
     if group is not None:
+        _check_ranks_drew_alike(root, group)
         with torch.no_grad():
             for buffer in root.buffers():
                 dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
@@ -202,6 +220,28 @@ def finish_initialization(root: torch.nn.Module) -> None:
         del _INITIALIZING[p]
     for module in root.modules():           # blocks sharded before it: their buffers are root's too
         _META_BUFFERS.pop(module, None)
+
+
+def _check_ranks_drew_alike(root: torch.nn.Module, group) -> None:
+    """Warn when some rank drew random numbers during the initialization and the ranks' generators
+    were not in one state when it began (one all-gather of two numbers per rank)."""
+    import zlib
+
+    then, _RNG_AT_FIRST_GATHER[0] = _RNG_AT_FIRST_GATHER[0], None
+    if then is None:
+        return
+    drew = not torch.equal(then, torch.random.get_rng_state())
+    mine = torch.tensor([zlib.crc32(then.numpy().tobytes()), int(drew)], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(int(t[1]) for t in every) and len({int(t[0]) for t in every}) > 1:
+        warn_at_user_line(
+            f"optpass: the ranks drew random numbers to initialize {root.__class__.__name__} from different "
+            "random generator states: each rank kept its rows of its own draw, so the model is a valid random "
+            "initialization but not the one a single process gives under one seed. To reproduce that one, "
+            "seed every rank alike before the initialization (torch.manual_seed(seed) on every rank, after "
+            "model.to_empty(...)), or load the weights (optpass.load_full_state_dict).",
+            RanksSeededDifferentlyWarning)
 
 
 def write_back_alive() -> None:
