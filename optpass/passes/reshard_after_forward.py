@@ -278,12 +278,10 @@ def _materialize_lookups(step: StepGraph, gathers, order: dict) -> list[str]:
         lookups = [user for node in _chain(wait) for user in node.users
                    if user.target in _LOOKUPS and user.args[0] is node and step.region_of(user) == FORWARD]
         for lookup in lookups:
-            readers = list(lookup.users)
             with step.graph.inserting_after(lookup):
                 rows = step.emit(torch.ops.optpass.clone_after.default, lookup, [])
             rows.meta[REGION_KEY] = FORWARD
-            for reader in readers:
-                reader.replace_input_with(lookup, rows)
+            lookup.replace_all_uses_with(rows, delete_user_cb=lambda user, rows=rows: user is not rows)
         if lookups:
             names.append(name)
     return names
