@@ -20,7 +20,11 @@ Per side a bisection over the ladder (``--search all``: every rung) finds the de
 trains; a rung counts as trained when every rank ran every step under its cap. Per trial and rank:
 the live-tensor peak (``_measure.CPUTensorBytes``), the peak RSS (``VmHWM``), the RSS before the
 build (torch, transformers and gloo loaded), the first step's time and the mean of the later steps';
-for a rank ended at its cap, the phase it was in. The physics: fp32 AdamW needs 16 bytes per parameter
+for a rank ended at its cap, the phase it was in. Every rank of both sides runs with glibc's mmap
+threshold fixed (``--mmap-threshold``, 1 MiB): with glibc's default the threshold grows to 32 MiB as
+large blocks are freed, and tensors below it (a shard, an activation, gloo's buffers) come from heaps
+that keep freed memory, about 1 GiB of RSS over the live tensors on both sides at this size
+(docs/fsdp.md). The physics: fp32 AdamW needs 16 bytes per parameter
 (parameters, gradients, two moments) with the update after backward and 12 with the update in
 backward, over the ranks; RSS adds the process's baseline and, for optpass, what compiling holds.
 
@@ -136,7 +140,8 @@ def trial(side: str, layers: int, args) -> dict:
     report_dir = tempfile.mkdtemp(prefix="optpass-bench-largest-")
     try:
         with empty_cache_dir(f"largest-{side}-{layers}") as cache:
-            env = child_env(1, cache, TORCHINDUCTOR_COMPILE_THREADS=1)
+            env = child_env(1, cache, TORCHINDUCTOR_COMPILE_THREADS=1,
+                            MALLOC_MMAP_THRESHOLD_=args.mmap_threshold or None)
             began = time.perf_counter()
             try:
                 ranks = run_ranks(cmd + ["--report-dir", report_dir], args.world, env=env, timeout=args.timeout)
@@ -230,6 +235,9 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--search", default="bisect", choices=("bisect", "all"))
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one trial may take")
+    parser.add_argument("--mmap-threshold", type=int, default=2 ** 20,
+                        help="glibc's MALLOC_MMAP_THRESHOLD_ for every rank of both sides (bytes; 0: glibc's "
+                             "default, a threshold that grows to 32 MiB as large blocks are freed)")
     parser.add_argument("--json", help="write every trial here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
@@ -243,8 +251,11 @@ def main() -> None:
     args.world = args.world if args.world > 1 else 2
     if args.layers != sorted(args.layers):
         parser.error("--layers: the ladder goes from the smallest model up")
+    malloc = (f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else
+              "glibc's default mmap threshold")
     print(f"Llama, width {args.width}, vocab {args.vocab}, rungs of {args.layers} layers; {args.world} gloo ranks "
-          f"capped at {args.cap_gib} GiB RSS each; fp32 AdamW, {args.steps} steps of {args.batch} x {args.seq} tokens")
+          f"capped at {args.cap_gib} GiB RSS each ({malloc}); fp32 AdamW, {args.steps} steps of {args.batch} x "
+          f"{args.seq} tokens")
     print("\n| side | layers | params M | trained | live peak GiB (rank 0 / 1) | live peak bytes per param of "
           "the rank's share | peak RSS GiB | RSS before build GiB | first step s | later steps s |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)

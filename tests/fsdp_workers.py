@@ -246,23 +246,63 @@ class _EmbeddingModel(nn.Module):
         return self.head(h + torch.tanh(self.mid(normed)))
 
 
+class _HeadModel(nn.Module):
+    """A small Embedding(64, 64) of the tokens mod 64 into a Linear and a bias-free head Linear(64,
+    4096) (a language model's), the one large parameter: backward makes the head's weight gradient
+    before its input gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(64, 64), nn.Linear(64, 64), nn.Linear(64, 4096, bias=False)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.embed(tokens % 64))))
+
+
 def lookups_materialized(rank, world, workdir):
     """Inductor, update in backward, the embedding's lookup a buffer of its own or left to Inductor:
     both train equal to one process (float64), and the pass says which it did. (The memory this
-    saves is measured in one process, tests/test_fsdp_lookups.py: torch.profiler's memory events,
+    saves is measured in one process, tests/test_fsdp_step_memory.py: torch.profiler's memory events,
     which measure_tensor_peak reads, miss the frees gloo's threads make.)"""
+    return _trained_with_switch_on_and_off(rank, world, "MATERIALIZE_LOOKUPS", _EmbeddingModel, "looked up")
+
+
+def first_reader_hoisted(rank, world, workdir):
+    """The same for the bias-free head's input gradient read before its weight gradient is made, or not."""
+    return _trained_with_switch_on_and_off(rank, world, "HOIST_FIRST_READER", _HeadModel, "moved up")
+
+
+def reshard_graph_diff_head(rank, world, workdir):
+    """The step graph before and after reshard_after_forward alone, for _HeadModel (from explain)."""
+    torch.manual_seed(0)
+    model = _HeadModel()
+    optpass.fully_shard(model)
+    opt = adamw(model)
+    tokens = torch.randint(0, 4096, (2 * world, 5), generator=torch.Generator().manual_seed(0))
+
+    def cross_entropy(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    optpass.explain(make_step(model, opt, cross_entropy), mine(tokens[:, :-1], rank, world),
+                    mine(tokens[:, 1:], rank, world),
+                    options={"optimizer": opt, "data_parallel": "fsdp", "passes": ["reshard_after_forward"]})
+    report = _last_step_report()
+    return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
+
+
+def _trained_with_switch_on_and_off(rank, world, switch, model_class, note_words):
     torch.set_default_dtype(torch.float64)
 
     def cross_entropy(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     results = {}
-    for materialize in (True, False):
-        with reshard_settings(MATERIALIZE_LOOKUPS=materialize):
+    for on in (True, False):
+        with reshard_settings(**{switch: on}):
             torch._dynamo.reset()
             optpass.report.clear_reports()
             torch.manual_seed(0)
-            model, opt, reference, ref_opt = fsdp_and_reference(_EmbeddingModel, adamw)
+            model, opt, reference, ref_opt = fsdp_and_reference(model_class, adamw)
             step = torch.compile(make_step(model, opt, cross_entropy), backend="optpass",
                                  options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
             reference_step = make_step(reference, ref_opt, cross_entropy)
@@ -275,9 +315,9 @@ def lookups_materialized(rank, world, workdir):
                 full_loss = loss.clone()
                 dist.all_reduce(full_loss)
                 losses.append(abs(full_loss.item() / world - reference_step(x, y).item()))
-            notes = [n for r in optpass.recent_reports() for p in r.passes for n in p.notes if "looked up" in n]
-            results[materialize] = {"vs_one_process": worst(optpass.full_state_dict(model), reference),
-                                    "loss": max(losses), "notes": notes}
+            notes = [n for r in optpass.recent_reports() for p in r.passes for n in p.notes if note_words in n]
+            results[on] = {"vs_one_process": worst(optpass.full_state_dict(model), reference),
+                           "loss": max(losses), "notes": notes}
     return results
 
 

@@ -21,6 +21,11 @@ is used. On gloo too: there the shards' collectives run on a twin of the user's 
 worker thread (``optpass.process_groups``), which runs them one after another; on gloo's usual two
 threads, two collectives in flight with an all-gather among them corrupt the process's heap
 (torch 2.13; docs/design.md §45).
+Backward's first read of each regathered parameter moves up to just after its other inputs
+(``HOIST_FIRST_READER``): backward may make a weight's gradient before its input's gradient from
+the same output gradient (a bias-free head's does), and the parameter gathered again for the input
+gradient would then arrive beside that whole-parameter gradient (and gloo's copy of it while it
+arrives): a language model's head-sized tensor more at the peak.
 Under Inductor's lowering, each forward lookup in a gathered parameter (an embedding's rows) is also
 copied into a buffer of its own (``optpass::clone_after``, ``MATERIALIZE_LOOKUPS``): Inductor computes
 an index load where it is read, so the residual stream's adds and norms, in forward and in backward,
@@ -70,6 +75,9 @@ PREFETCH: bool = True
 # Whether a lookup in a gathered parameter (an embedding) is copied into a buffer of its own under
 # Inductor's lowering, so the gathered parameter dies after the lookup (``_materialize_lookups``).
 MATERIALIZE_LOOKUPS: bool = True
+# Whether backward's first read of a regathered parameter moves up to just after its other inputs
+# (``_hoist``): before a weight gradient made from the same output gradient, not beside it.
+HOIST_FIRST_READER: bool = True
 
 
 def settings(captured=None) -> tuple:
@@ -79,7 +87,7 @@ def settings(captured=None) -> tuple:
     named_units = sorted((p.name, spec.unit) for p in (captured.params if captured is not None else ())
                          if p.tensor is not None and (spec := shard_spec(p.tensor)) is not None
                          and spec.unit is not None)
-    return COALESCE_UNITS, PREFETCH, MATERIALIZE_LOOKUPS, tuple(named_units)
+    return COALESCE_UNITS, PREFETCH, MATERIALIZE_LOOKUPS, HOIST_FIRST_READER, tuple(named_units)
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -89,12 +97,13 @@ def run(step: StepGraph, options) -> str | None:
     if not gathers:
         return "the step gathers no parameter sharded by optpass.fully_shard"
     order = {node: i for i, node in enumerate(step.graph.nodes)}
-    regathered = []
+    regathered, hoisted = [], []
     for start, name, spec in gathers:
         if not spec.reshard_after_forward:
             continue
-        for copy in _regather_for_backward(step, start, order) or ():
+        for copy in _regather_for_backward(step, start, order, hoisted.append, name) or ():
             regathered.append((copy, name))
+        order = {node: i for i, node in enumerate(step.graph.nodes)}   # a reader may have moved up
     looked_up = (_materialize_lookups(step, gathers, order)
                  if options.lower == "inductor" and MATERIALIZE_LOOKUPS else [])
     on_gloo = _on_gloo(gathers[0][2], gathers[0][0])
@@ -118,6 +127,10 @@ def run(step: StepGraph, options) -> str | None:
     step.notes.append(f"all-gathered again in backward just before backward reads them (the forward's copy "
                       f"died after its last forward use), {len(backward_units)} collective(s): "
                       f"{_names(name for _, name in regathered) or 'none'}")
+    if hoisted:
+        step.notes.append(f"backward's first read moved up to just after its other inputs, so the parameter is "
+                          f"gathered, read and freed before the gradients made from the same output gradient: "
+                          f"{_names(hoisted)}")
     if looked_up:
         step.notes.append(f"rows looked up in a gathered parameter made a buffer of their own (Inductor would "
                           f"look them up again in every later kernel that reads them, keeping the whole "
@@ -222,7 +235,8 @@ def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
-def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -> list[torch.fx.Node] | None:
+def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, hoisted, name: str
+                           ) -> list[torch.fx.Node] | None:
     wait = _first_wait(start, order)
     if wait is None:
         return None
@@ -241,6 +255,8 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -
         if not mine:
             continue
         first = min((user for _, user in mine), key=lambda n: order[n])
+        if HOIST_FIRST_READER and _hoist(first, members, step):
+            hoisted(name)
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
         with step.graph.inserting_before(first):
             mapping[start] = step.graph.node_copy(start)
@@ -251,7 +267,40 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict) -
         for node, user in mine:
             user.replace_input_with(node, mapping[node])
         starts.append(mapping[start])
+    for node in reversed(chain):      # views of the forward's gather that only backward read: now read by none
+        if is_view(node) and not node.users:
+            step.graph.erase_node(node)
     return starts
+
+
+def _hoist(reader: torch.fx.Node, gathered: set, step: StepGraph) -> bool:
+    """Move `reader` (backward's first read of a gathered parameter) up to just after the latest
+    node it must follow: one of its inputs other than the gathered chain, or a node with an effect
+    (a mutation, a collective, an optpass op, anything impure), or the start of backward. Backward
+    computes a weight's gradient and its input's gradient from one output gradient in either order;
+    when the weight's gradient comes first, the regathered parameter (and gloo's copy while it
+    arrives) would be gathered beside that whole-parameter gradient. Read first, the parameter is
+    gathered, read and freed before the gradient is made. Whether it moved past a computation (views
+    of the gathered parameter, which backward's copy replaces, do not count)."""
+    if not _movable(reader):
+        return False
+    inputs = set(reader.all_input_nodes) - gathered
+    place, passed = reader.prev, False
+    while place.op == "call_function" and place not in inputs and _movable(place) \
+            and step.region_of(place) == BACKWARD:
+        passed = passed or place not in gathered
+        place = place.prev
+    if place is not reader.prev:
+        place.append(reader)
+    return passed
+
+
+def _movable(node: torch.fx.Node) -> bool:
+    """A pure computation: no effect, no collective, no optpass op (whose order may be its point)."""
+    target = node.target
+    if node.op != "call_function" or node.is_impure() or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.namespace not in ("_c10d_functional", "optpass", "c10d") and not target._schema.is_mutable
 
 
 # Ops that read rows of their first argument at indices: Inductor inlines them into their readers.
