@@ -262,8 +262,7 @@ class _HeadModel(nn.Module):
 def lookups_materialized(rank, world, workdir):
     """Inductor, update in backward, the embedding's lookup a buffer of its own or left to Inductor:
     both train equal to one process (float64), and the pass says which it did. (The memory this
-    saves is measured in one process, tests/test_fsdp_step_memory.py: torch.profiler's memory events,
-    which measure_tensor_peak reads, miss the frees gloo's threads make.)"""
+    saves is measured on one rank, tests/test_fsdp_step_memory.py.)"""
     return _trained_with_switch_on_and_off(rank, world, "MATERIALIZE_LOOKUPS", _EmbeddingModel, "looked up")
 
 

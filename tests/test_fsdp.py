@@ -522,21 +522,17 @@ def test_a_unit_is_a_block_of_a_module_list_or_else_a_parameters_module():
     assert unit_of("scale") == ""
 
 
-def test_an_embeddings_lookup_made_a_buffer_or_not_trains_as_one_process_under_inductor(two):
+@pytest.mark.parametrize("scenario, parameter", [("lookups_materialized", "embed.weight"),
+                                                 ("first_reader_hoisted", "head.weight")])
+def test_a_placement_switched_on_or_off_trains_as_one_process_under_inductor(two, scenario, parameter):
+    """An embedding's lookup made a buffer of its own or left to Inductor; a bias-free head's input
+    gradient read before its weight gradient is made or not: each way trains equal to one process,
+    and the pass names the parameter it placed only when the switch is on."""
     for result in two:
-        got = _ok(result["lookups_materialized"])
-        for materialize in (True, False):
-            assert got[materialize]["vs_one_process"] <= 1e-12 and got[materialize]["loss"] <= 1e-12, got
-        assert got[True]["notes"] and "embed.weight" in got[True]["notes"][0], got[True]["notes"]
-        assert not got[False]["notes"], got[False]["notes"]
-
-
-def test_the_heads_input_gradient_read_first_or_not_trains_as_one_process_under_inductor(two):
-    for result in two:
-        got = _ok(result["first_reader_hoisted"])
+        got = _ok(result[scenario])
         for on in (True, False):
             assert got[on]["vs_one_process"] <= 1e-12 and got[on]["loss"] <= 1e-12, got
-        assert got[True]["notes"] and "head.weight" in got[True]["notes"][0], got[True]["notes"]
+        assert got[True]["notes"] and parameter in got[True]["notes"][0], got[True]["notes"]
         assert not got[False]["notes"], got[False]["notes"]
 
 

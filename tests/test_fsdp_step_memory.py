@@ -1,15 +1,15 @@
 """What reshard_after_forward's placements save at a fully sharded step's peak, measured in one fresh
-process (a one-rank gloo group) per switch: torch.profiler's memory events, which measure_tensor_peak
-reads, miss the frees gloo's threads make on several ranks; and in a test worker that had run other
-files before it, the measured peak with and without the lookup's copy came out equal once (not
-explained: docs/fsdp.md), so each measurement runs in a process of its own. Training on 2 ranks with
-each switch on and off: tests/test_fsdp.py (lookups_materialized, first_reader_hoisted)."""
+process (a one-rank gloo group) per switch, by the bench's counting allocator (bench/_measure.py
+CPUTensorBytes), which sees a tensor die on whichever thread frees it: a collective's buffers may
+die on gloo's worker thread, where torch.profiler's memory events (measure_tensor_peak) miss the
+free, and on a loaded machine they did (the gathered embedding counted alive to the end). Training
+on 2 ranks with each switch on and off: tests/test_fsdp.py (lookups_materialized,
+first_reader_hoisted)."""
 
 import json
 import os
 import subprocess
 import sys
-
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB, WIDTH = 4096, 64
@@ -24,13 +24,18 @@ def _growths(switch: str) -> dict:
     import optpass
     from fsdp_workers import _EmbeddingModel, _HeadModel, adamw, make_step, reshard_settings
 
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+    from _measure import CPUTensorBytes
+
     def cross_entropy(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     model_class = {"MATERIALIZE_LOOKUPS": _EmbeddingModel, "HOIST_FIRST_READER": _HeadModel}[switch]
     torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    growth = {}
+    live = CPUTensorBytes()
+    live.start()
+    at_start = {}
     for on in (True, False):
         with reshard_settings(**{switch: on}):
             torch._dynamo.reset()
@@ -43,11 +48,12 @@ def _growths(switch: str) -> dict:
             tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
             for _ in range(2):
                 step(tokens[:, :-1], tokens[:, 1:])
-            with optpass.measure_tensor_peak() as peak:
+            at_start[str(on)] = live.so_far()["live_bytes"]
+            with live.mark(str(on)):
                 step(tokens[:, :-1], tokens[:, 1:])
-            growth[str(on)] = peak.growth_bytes
+    marks = live.stop()["marks"]
     dist.destroy_process_group()
-    return growth
+    return {on: marks[on]["peak_bytes"] - at_start[on] for on in at_start}
 
 
 def _measured(switch: str) -> dict:
