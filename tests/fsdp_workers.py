@@ -470,10 +470,16 @@ def evaluation(rank, world, workdir):
 
 # ---------------------------------------------------------------- checkpoints: saved on N, loaded on M
 
-def _checkpoint_run(rank, world, steps, workdir, load: bool, save: bool):
+def _checkpoint_run(rank, world, steps, workdir, load: bool, save: bool, meta: bool = False):
     torch.set_default_dtype(torch.float64)
-    model = mlp()
-    optpass.fully_shard(model)
+    if meta:                    # FSDP2's recipe, the checkpoint as the initialization
+        with torch.device("meta"):
+            model = mlp()
+        optpass.fully_shard(model)
+        model.to_empty(device="cpu")
+    else:
+        model = mlp()
+        optpass.fully_shard(model)
     opt = adamw(model)
     if load:
         optpass.load_sharded_checkpoint(f"{workdir}/fsdp_checkpoint", opt, model=model)
@@ -493,15 +499,45 @@ def checkpoint_save(rank, world, workdir):
 
 
 def checkpoint_resume(rank, world, workdir):
-    """Load what 2 ranks saved after 5 steps, train 5 more on this world size: equal to 10 steps of
-    one process."""
+    """Load what 2 ranks saved after 5 steps, train 5 more on this world size, into a model built on
+    the CPU and into one built on the meta device (to_empty, the checkpoint its initialization):
+    each equal to 10 steps of one process."""
     full = _checkpoint_run(rank, world, range(5, 10), workdir, load=True, save=False)
+    torch._dynamo.reset()
+    full_meta = _checkpoint_run(rank, world, range(5, 10), workdir, load=True, save=False, meta=True)
     reference = mlp()
     ref_opt = adamw(reference)
     for i in range(10):
         x, y = batch(i, 1, per_rank=6)
         make_step(reference, ref_opt)(x, y)
-    return {"vs_one_process": worst(full, reference)}
+    return {"vs_one_process": worst(full, reference), "meta_vs_one_process": worst(full_meta, reference)}
+
+
+def meta_model_mistakes(rank, world, workdir):
+    """What a user gets for a meta-built model never materialized (to_empty forgotten), from
+    full_state_dict and from the compiled step, and for a parameter replaced after fully_shard."""
+    got = {}
+    for name, action in (("full_state_dict", lambda model, opt: optpass.full_state_dict(model)),
+                         ("step", lambda model, opt: _compile_and_run(model, opt, rank, world))):
+        torch._dynamo.reset()
+        with torch.device("meta"):
+            model = mlp()
+        optpass.fully_shard(model)
+        try:
+            action(model, adamw(model))
+            got[f"no_to_empty_{name}"] = "no error"
+        except Exception as error:  # noqa: BLE001  (the test reads it)
+            got[f"no_to_empty_{name}"] = f"{type(error).__name__}: {error}"
+    torch._dynamo.reset()
+    model = mlp()
+    optpass.fully_shard(model)
+    model[0].weight = nn.Parameter(torch.full(tuple(model[0].weight.shape), 0.1))
+    try:
+        _compile_and_run(model, adamw(model), rank, world)
+        got["replaced"] = "no error"
+    except Exception as error:  # noqa: BLE001
+        got["replaced"] = f"{type(error).__name__}: {error}"
+    return got
 
 
 # ---------------------------------------------------------------- refusals

@@ -23,7 +23,7 @@ TWO = ["meta_device_recipes", "hf_load_safetensors", "equivalence", "tied_weight
        "groups_by_dim", "batchnorm_as_ddp", "reshard_graph_diff", "reshard_graph_diff_off_gloo",
        "gloo_collectives_run_on_one_thread", "coalesced_units", "fsdp2_style_blocks_then_root",
        "fsdp2_style_blocks_only", "hf_llama_per_block", "lookups_materialized", "ranks_seeded_differently",
-       "first_reader_hoisted", "reshard_graph_diff_head"]
+       "first_reader_hoisted", "reshard_graph_diff_head", "meta_model_mistakes"]
 THREE = ["meta_device_recipes", "hf_load_safetensors", "fsdp2_style_blocks_then_root", "hf_llama_per_block", "equivalence_two_configs", "tied_weights", "against_fsdp2", "checkpoint_resume", "different_models",
          "coalesced_units_inductor"]
 
@@ -158,7 +158,8 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_three(two, three):
     for result in two:
         assert _ok(result["checkpoint_save"])["saved"]
     for result in three:
-        assert _ok(result["checkpoint_resume"])["vs_one_process"] <= 1e-12, result["checkpoint_resume"]
+        got = _ok(result["checkpoint_resume"])
+        assert got["vs_one_process"] <= 1e-12 and got["meta_vs_one_process"] <= 1e-12, got
 
 
 @pytest.mark.parametrize("program, kind, what", [
@@ -653,6 +654,15 @@ def test_reshard_after_forward_graph_diff_of_a_bias_free_head(two):
 +wait_tensor_9 = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)
 +div_3 = aten.div.Tensor(wait_tensor_9, 2)
  empty_like_0 = aten.empty_like(in1, pin_memory=False)""")
+
+
+def test_a_meta_model_not_materialized_and_a_replaced_shard_are_refused_naming_the_fix(two):
+    for result in two:
+        got = _ok(result["meta_model_mistakes"])
+        for where in ("full_state_dict", "step"):
+            message = got[f"no_to_empty_{where}"]
+            assert message.startswith("OptpassError") and "model.to_empty(device='cpu')" in message, got
+        assert got["replaced"].startswith("OptpassError") and "replaced after fully_shard" in got["replaced"], got
 
 
 def test_ranks_that_draw_a_meta_models_init_from_different_seeds_are_warned(two):

@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
-from optpass.fsdp.materialize import finish_initialization, mark_written, write_back_alive
+from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
 from optpass.fsdp.shard import ShardSpec, shard_spec, sharded_parameters
 from optpass.zero1 import checkpoint as zero1_checkpoint
 
@@ -36,6 +36,7 @@ def _require_sharded(model) -> list:
     if not params:
         raise OptpassError(f"{type(model).__name__} has no parameters sharded by optpass.fully_shard: call "
                            "optpass.fully_shard(model) on every rank first.")
+    refuse_meta(model)
     return params
 
 
@@ -269,6 +270,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     group = sharded_parameters(model)[0][2].group
     names = _names(model)
     by_name = {name: p for name, p, _ in sharded_parameters(model)}
+    write_back_alive()                   # no parameter gathered for initialization writes over the load later
     state = fsdp_state_dict(model)
     fresh: dict[torch.Tensor, dict] = {}
     if optimizer is not None:
@@ -300,6 +302,9 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             loaded = state[MODEL_KEY][name]
             if shard_spec(value) is None and loaded is not value:
                 value.copy_(loaded)
+            elif shard_spec(value) is not None:
+                mark_written(value, loaded=True)     # the checkpoint's rows, not an init's direct write
+    finish_initialization(model)       # a model from the meta device: what the checkpoint left unset is refused
     if optimizer is not None:
         optimizer.state.clear()
         for p, values in fresh.items():

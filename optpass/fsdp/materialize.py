@@ -180,10 +180,27 @@ def remember_meta_buffers(root: torch.nn.Module) -> None:
                            for n, b in m._buffers.items() if b is not None and b.is_meta]
 
 
+def refuse_meta(root: torch.nn.Module) -> None:
+    """A model sharded on the meta device and not materialized (``to_empty`` not called): an error
+    that says so, instead of meta tensors handed on as values."""
+    on_meta = [n for n, t in (*root.named_parameters(), *root.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise OptpassError(meta_message(f"{len(on_meta)} parameter(s) or buffer(s) of {root.__class__.__name__} "
+                                        f"({', '.join(on_meta[:4])}{', ...' if len(on_meta) > 4 else ''}) are"))
+
+
+def meta_message(what: str) -> str:
+    return (f"optpass: {what} still on the meta device: shapes without values. After optpass.fully_shard(model), "
+            "call model.to_empty(device='cpu') (each rank allocates its shards), then initialize them (the model's "
+            "init_weights() / post_init(), reset_parameters() of each module, model.apply(fn)) or load them "
+            "(optpass.load_full_state_dict(model, checkpoint)).")
+
+
 def finish_initialization(root: torch.nn.Module) -> None:
     """End the initialization window of ``root``'s shards: write back what is still alive, refuse
     what nothing initialized, make the buffers rank 0's. A no-op for a model that never was on the
     meta device or whose initialization ended before."""
+    refuse_meta(root)
     shards = [(n, p) for n, p in root.named_parameters() if p in _INITIALIZING]
     buffers = _META_BUFFERS.get(root, [])
     if not shards and not buffers:
@@ -209,7 +226,8 @@ def finish_initialization(root: torch.nn.Module) -> None:
             f"after to_empty ({', '.join(unset[:4])}{', ...' if len(unset) > 4 else ''}): they hold no values. "
             "Initialize every parameter and buffer after model.to_empty(...) and before training (the model's "
             "init_weights() / post_init(), reset_parameters() of each module, model.apply(fn), or "
-            "optpass.load_full_state_dict(model, checkpoint)), e.g. a rotary table computed in the constructor.")
+            "optpass.load_full_state_dict(model, checkpoint)); a buffer no checkpoint holds (a rotary table "
+            "computed in the constructor) needs the model's own init before loading.")
     group = next((_INITIALIZING[p].group for _, p in shards), None)
     if group is not None:
         _check_ranks_drew_alike(root, group)

@@ -315,8 +315,17 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 def _gathering(name: str):
     def gathered(self):
         shard = self._parameters[name]
+        rows, shape, world, group_name = getattr(self, GATHER_ARGS)[name]
+        if shard is None or tuple(shard.shape) != ((max(1, -(-rows // world)), *shape[1:]) if shape else (1,)):
+            raise OptpassError(
+                f"{type(self).__name__}.{name} is not the shard optpass.fully_shard registered (its shape is "
+                f"{None if shard is None else tuple(shard.shape)}): a parameter replaced after fully_shard. Replace "
+                "parameters before calling optpass.fully_shard(model), or load new values into the shards with "
+                f"optpass.load_full_state_dict(model, {{...}}).")
+        if shard.device.type == "meta":
+            raise OptpassError(materialize.meta_message(f"{type(self).__name__}.{name} is"))
         if not torch.compiler.is_compiling() and materialize.initializing(shard):
             return materialize.full_for_initialization(shard, _SPECS[shard])
-        return gather(shard, *getattr(self, GATHER_ARGS)[name])
+        return gather(shard, rows, shape, world, group_name)
     gathered.__name__ = name
     return gathered
