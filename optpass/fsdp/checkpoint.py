@@ -300,10 +300,10 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
             loaded = state[MODEL_KEY][name]
-            if shard_spec(value) is None and loaded is not value:
-                value.copy_(loaded)
-            elif shard_spec(value) is not None:
+            if shard_spec(value) is not None:
                 mark_written(value, loaded=True)     # the checkpoint's rows, not an init's direct write
+            elif loaded is not value:
+                value.copy_(loaded)
     finish_initialization(model)       # a model from the meta device: what the checkpoint left unset is refused
     if optimizer is not None:
         optimizer.state.clear()

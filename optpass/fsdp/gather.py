@@ -34,11 +34,16 @@ class _GatherShard(torch.autograd.Function):
         rows = grad.reshape(ctx.rows, *grad.shape[1:]) if grad.dim() else grad.reshape(1)
         if dtype in HALF:
             rows = rows.float()
-        per_rank = max(1, -(-ctx.rows // ctx.world))
+        per_rank = rows_per_rank(ctx.rows, ctx.world)
         if per_rank * ctx.world != ctx.rows:
             rows = torch.cat([rows, rows.new_zeros(per_rank * ctx.world - ctx.rows, *rows.shape[1:])])
         summed = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rows, "sum", ctx.world, ctx.group_name))
         return (summed / ctx.world).to(dtype), None, None, None, None
+
+
+def rows_per_rank(rows: int, world: int) -> int:
+    """A shard's rows: ``ceil(rows / world)`` (at least 1: a 0-d parameter counts as one row)."""
+    return max(1, -(-rows // world))
 
 
 def gather(shard: torch.Tensor, rows: int, shape: tuple, world: int, group_name: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
 from optpass.fsdp import materialize
-from optpass.fsdp.gather import gather
+from optpass.fsdp.gather import gather, rows_per_rank
 from optpass.process_groups import collective_group_name
 from optpass.zero1.agreement import agree
 
@@ -316,7 +316,7 @@ def _gathering(name: str):
     def gathered(self):
         shard = self._parameters[name]
         rows, shape, world, group_name = getattr(self, GATHER_ARGS)[name]
-        if shard is None or tuple(shard.shape) != ((max(1, -(-rows // world)), *shape[1:]) if shape else (1,)):
+        if shard is None or tuple(shard.shape) != ((rows_per_rank(rows, world), *shape[1:]) if shape else (1,)):
             raise OptpassError(
                 f"{type(self).__name__}.{name} is not the shard optpass.fully_shard registered (its shape is "
                 f"{None if shard is None else tuple(shard.shape)}): a parameter replaced after fully_shard. Replace "
