@@ -20,6 +20,7 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
                              module_buffers, warn_backward_outside, warn_if_update_recompiles,
                              warn_optimizer_step_in_loop, warn_recurrent_fallback)
 from optpass.dpsgd import note_pad_batch_on_empty_vmaps
+from optpass.dynamo_scope import mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
@@ -45,6 +46,7 @@ enable_backward_capture()
 note_pad_batch_on_empty_vmaps()
 
 
+@mark_optpass_backend
 def optpass_backend(gm, example_inputs, options=None, mode=None):
     """Compile one Dynamo graph of a step: capture it, run the pass pipeline, lower it.
 

@@ -29,7 +29,6 @@ import dataclasses
 import enum
 import inspect
 import linecache
-import logging
 import os
 import re
 import sys
@@ -42,6 +41,7 @@ import torch
 import torch.fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from optpass import dynamo_scope
 from optpass.errors import OptpassError, SourceLine, node_user_line, user_line_from_frames, warn_at_user_line
 
 # Names of parameters seen in step graphs, by tensor identity, so that an
@@ -55,76 +55,17 @@ _WARNED_UPDATES: set[tuple[int, ...]] = set()
 
 
 def enable_backward_capture() -> None:
-    """Make Dynamo trace `loss.backward()` into the step's graph (docs/design.md §1).
-
-    This is process-wide Dynamo config: `torch.compile` gives a backend no
-    per-compile hook that runs before tracing, and it is inert for code that
-    never calls backward() inside a compiled function.
-
-    Also: logging calls in compiled code are skipped instead of breaking the
-    graph (docs/design.md §5). A model's forward that logs (Hugging Face's
-    ``logger.warning_once`` in the loss) would otherwise split the step before
-    backward(), and backward would run outside anything optpass can rewrite.
-    And Dynamo's note on torch.optim's own profiler record_function is dropped
-    (``_OptimizerRecordFunctionNote``): nothing a user can act on.
-    """
-    torch._dynamo.config.trace_autograd_ops = True
-    ignore_logging_calls()
-    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
-    if not any(isinstance(f, _OptimizerRecordFunctionNote) for f in logger.filters):
-        logger.addFilter(_OptimizerRecordFunctionNote())
-
-
-# stdlib logging methods, and the ones Hugging Face transformers adds to logging.Logger
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
-
-
-class _LoggingMethods(set):
-    """Dynamo's ignore set, also matching the methods above when a library adds them to
-    logging.Logger after optpass was loaded (transformers does, when it is imported)."""
-
-    def __contains__(self, fn) -> bool:
-        name = getattr(fn, "__name__", None)
-        return set.__contains__(self, fn) or (
-            name in _LOGGER_METHODS and getattr(logging.Logger, name, None) is fn)
+    """Make Dynamo trace `loss.backward()` into an optpass step's graph (docs/design.md §1), skip
+    logging calls in the code it compiles (§5) and drop its note on torch.optim's record_function:
+    each only while Dynamo traces for an optpass backend (optpass/dynamo_scope.py), so every other
+    compile in the process behaves as if optpass were not loaded."""
+    dynamo_scope.install()
 
 
 def ignore_logging_calls() -> None:
-    """Calls of logging.Logger's message methods in compiled code are skipped, not graph breaks.
-
-    Errors and exceptions are not skipped (logger.error / exception / critical still break)."""
-    current = torch._dynamo.config.ignore_logging_functions
-    if not isinstance(current, _LoggingMethods):
-        methods = {getattr(logging.Logger, n) for n in _LOGGER_METHODS if hasattr(logging.Logger, n)}
-        torch._dynamo.config.ignore_logging_functions = _LoggingMethods(set(current) | methods)
-
-
-class _OptimizerRecordFunctionNote(logging.Filter):
-    """Drops Dynamo's "Profiler record function ... will be ignored" when it is about torch.optim.
-
-    With backward captured, the supported step shape makes Dynamo trace ``opt.step()``, whose
-    wrapper (``Optimizer.profile_hook_step`` in torch/optim/optimizer.py) opens a
-    ``torch.autograd.profiler.record_function``; Dynamo then logs that note as a WARNING once per
-    process (``ProfilerRecordFunctionContextVariable.create`` in
-    torch/_dynamo/variables/ctx_manager.py). It is torch's own code and nothing a user can act on,
-    so this drops exactly that record when the innermost function Dynamo is tracing is in
-    torch/optim; a ``record_function`` in the user's own code still gets the note.
-    """
-
-    MESSAGE = "Profiler record function %s will be ignored"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != self.MESSAGE:
-            return True
-        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
-        frame = sys._getframe()
-        while frame is not None:       # the innermost translator: the function being traced
-            tracer = frame.f_locals.get("self")
-            if isinstance(tracer, InstructionTranslatorBase):
-                return f"torch{os.sep}optim{os.sep}" not in tracer.f_code.co_filename
-            frame = frame.f_back
-        return True
+    """Calls of logging.Logger's message methods in code an optpass compile traces are skipped, not
+    graph breaks (again, if someone replaced Dynamo's ignore set since)."""
+    dynamo_scope.install()
 
 
 class GraphKind(str, enum.Enum):
@@ -192,6 +133,9 @@ class CapturedGraph:
     # an nn.RNN/GRU/LSTM met since the previous graph for which Dynamo skipped the function around it
     # (inside torch.func's vmap/grad), which ran eagerly: Dynamo's description of the module; None if none
     skipped_recurrent: str | None = None
+    # forward graphs that end at a backward() Dynamo did not trace because the loss's forward ran
+    # outside the frame: what ran it there (FSDP2, DDP, a graph break in the model); None otherwise
+    forward_outside: str | None = None
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -291,8 +235,52 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         # ended by a graph break: backward() was in the compiled code and Dynamo left it out;
         # ended by its return: a forward compiled alone (the model, an evaluation), nothing to warn of
         kind = GraphKind.FORWARD if split else GraphKind.MODEL
+    forward_outside = None
+    if split is not None and split.reason.startswith(_BACKWARD_WITHOUT_LEAVES):
+        # backward() of a loss whose forward ran outside this frame (optpass/dynamo_scope.py)
+        kind, forward_outside = GraphKind.FORWARD, _forward_outside_the_frame()
     backward_line = common["split_line"] if kind is GraphKind.FORWARD else None
-    return CapturedGraph(kind=kind, backward_line=backward_line, params=params, **common)
+    return CapturedGraph(kind=kind, backward_line=backward_line, params=params,
+                         forward_outside=forward_outside, **common)
+
+
+# Dynamo's break at a backward() that optpass's scoped trace_autograd_ops declined to trace: the
+# frame holds no parameter (docs/design.md §36)
+_BACKWARD_WITHOUT_LEAVES = "Unsupported Tensor.backward() call"
+
+
+def _forward_outside_the_frame() -> str:
+    """Why a step's loss was computed outside the frame that calls backward(): the wrappers of
+    torch.distributed that the step's frame reaches (their forward is never compiled by Dynamo), or
+    a graph break in the model."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return _AFTER_A_BREAK
+    roots = [*tx.f_locals.values(), *(tx.f_globals.get(name) for name in tx.f_code.co_names)]
+    wrappers = sorted({wrapper for root in roots if isinstance(root, torch.nn.Module)
+                       for module in root.modules() if (wrapper := _distributed_wrapper(module))})
+    if not wrappers:
+        return _AFTER_A_BREAK
+    return f"the forward of modules wrapped by {' and '.join(wrappers)}, which Dynamo does not compile into the step"
+
+
+_AFTER_A_BREAK = "the model's forward, broken off by a graph break inside it"
+
+
+def _distributed_wrapper(module: torch.nn.Module) -> str | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, FSDPModule):
+        return "torch's FSDP2 (torch.distributed.fsdp.fully_shard)"
+    if isinstance(module, DistributedDataParallel):
+        return "DistributedDataParallel"
+    return None
 
 
 OPTIMIZER_SPLIT = "optimizer.step()"
@@ -702,6 +690,8 @@ SUPPORTED_SHAPE = ("loss.backward(); out = loss.detach(); opt.step(); opt.zero_g
 def backward_outside_message(captured: CapturedGraph) -> str:
     where = f" at {captured.split_line}" if captured.split_line else ""
     reason = captured.split_reason or "a graph break"
+    if captured.forward_outside is not None:
+        return _forward_outside_message(captured.forward_outside, where)
     if captured.split_caller is not None:
         return (
             f"optpass: the compiled step stops before backward(): Dynamo broke the graph inside code "
@@ -744,3 +734,23 @@ def backward_outside_message(captured: CapturedGraph) -> str:
         "another tensor of the forward (logits, a model output), after opt.step() (e.g. `return "
         "loss.detach()` or `return out, logits.detach()` at the end). Fix: detach every value to "
         f"return before the optimizer: `{SUPPORTED_SHAPE}` (and `logits = logits.detach()` beside `out`).")
+
+
+def _forward_outside_message(cause: str, where: str) -> str:
+    """The loss's forward ran outside the compiled frame that calls backward(): by ``cause``."""
+    fixes = []
+    if "FSDP2" in cause:
+        fixes.append("shard with optpass.fully_shard (FSDP2's call, per block then the root) and compile with "
+                     "options={'optimizer': opt, 'data_parallel': 'fsdp', ...}: optpass gathers and reduces "
+                     "inside the step's graph")
+    if "DistributedDataParallel" in cause:
+        fixes.append("compile the unwrapped model's step with options={'optimizer': opt, 'data_parallel': "
+                     "'zero1', ...}: optpass averages the gradients inside the step's graph")
+    if not fixes:
+        fixes.append("make the model's forward compile (`torch._dynamo.explain(step)(*batch)` lists every "
+                     "break and its reason)")
+    return (
+        f"optpass: the loss's backward(){where} runs outside the compiled step: the loss was computed "
+        f"outside the compiled code, by {cause}; so backward() runs from eager autograd, as it would without optpass, and optpass cannot see or rewrite it or "
+        "what follows it. Fix: " + "; or ".join(fixes) + ".")
+

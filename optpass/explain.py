@@ -32,6 +32,7 @@ import torch
 
 from optpass.backend import explaining_backend
 from optpass.capture import GraphKind, backward_outside_message
+from optpass.dynamo_scope import mark_optpass_backend
 from optpass.options import Options
 from optpass.report import GraphReport, clear_reports, keep_graphs, recent_reports
 from optpass.untouched import Untouched
@@ -126,7 +127,7 @@ def explain(step_fn: Callable, *args: Any, options: dict | None = None, **kwargs
     untouched = Untouched()
     torch._dynamo.reset()
     clear_reports()
-    backend = functools.partial(explaining_backend, options=dict(options) if options else None)
+    backend = mark_optpass_backend(functools.partial(explaining_backend, options=dict(options) if options else None))
     try:
         with keep_graphs():
             torch.compile(step_fn, backend=backend)(*args, **kwargs)

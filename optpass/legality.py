@@ -135,6 +135,7 @@ def _refuse_backward_outside(captured: CapturedGraph, feature: str) -> None:
     """A rewrite that needs backward in the graph is never proved on a step whose backward is not."""
     if captured.kind is GraphKind.FORWARD:
         if (captured.split_caller is not None or captured.later_break is not None   # not the step shape
+                or captured.forward_outside is not None
                 or captured.split_source_unread):                                   # or cannot tell
             message = backward_outside_message(captured).removeprefix("optpass: ")
             raise OptpassError(f"{feature} needs backward() inside the compiled step. {message[0].upper()}{message[1:]}")

@@ -17,7 +17,7 @@ PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimi
             "grad_scaler_on_rank_zero_only",
             # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
             "refusal_on_rank_one_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass", "unused_head", "explain_a_zero1_step",
+            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
 
@@ -114,13 +114,31 @@ def test_an_evaluation_function_compiled_with_the_training_options_runs_the_forw
         assert got["diff"] <= 1e-6 * max(got["value"], 1.0), result
 
 
-@pytest.mark.xfail(strict=True, reason="optpass turns on trace_autograd_ops in the process: Dynamo then "
-                   "traces backward and skips DDP's all-reduce hooks (any backend); use data_parallel='zero1'")
-def test_a_ddp_model_compiled_with_optpass_trains_as_ddp(ranks):
+def test_a_ddp_model_compiled_with_optpass_trains_as_ddp_and_a_fused_update_is_refused_naming_ddp(ranks):
+    """DDP's all-reduce runs in autograd hooks: optpass leaves backward to eager autograd (Dynamo never
+    compiles DDP's forward into the step), warns that it cannot rewrite it, and refuses a fused update
+    on every rank with the data_parallel='zero1' fix."""
     for result in ranks:
-        for run in result["ddp_model_compiled_with_optpass"].values():
-            if isinstance(run, dict):
-                assert run["vs_ddp"] <= 1e-6, result
+        runs = result["ddp_model_compiled_with_optpass"]
+        assert runs["[]"]["vs_ddp"] <= 1e-6 and runs["[]"]["spread"] == 0.0, runs
+        message = runs["['optimizer', 'optimizer_in_backward']"]["error"]
+        assert "optimizer_in_backward needs backward() inside the compiled step" in message
+        assert "DistributedDataParallel" in message and "'data_parallel': 'zero1'" in message
+        assert any("DistributedDataParallel" in w for w in result["ddp_model_compiled_with_optpass"]["warnings"])
+
+
+def test_a_torch_fsdp2_model_trains_as_one_process_beside_optpass_and_a_fused_update_is_refused(ranks):
+    """torch's FSDP2 compiled with backend="eager" in a process that imported optpass, and with
+    backend="optpass": equal to one eager process (float64); with optimizer_in_backward refused on
+    every rank, naming FSDP2 and optpass.fully_shard."""
+    for result in ranks:
+        runs = result["torch_fsdp2_model"]
+        assert runs["eager"]["relative"] <= 1e-9, runs
+        assert runs["optpass"]["relative"] <= 1e-9, runs
+        message = runs["optpass+fused"]["error"]
+        assert "optimizer_in_backward needs backward() inside the compiled step" in message
+        assert "torch's FSDP2 (torch.distributed.fsdp.fully_shard)" in message
+        assert "optpass.fully_shard" in message and "'data_parallel': 'fsdp'" in message
 
 
 def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling_it():

@@ -1,0 +1,165 @@
+"""Dynamo settings optpass needs, in force only while Dynamo traces a frame for an optpass compile.
+
+optpass needs two Dynamo settings that torch only offers process-wide (docs/design.md §1, §5):
+
+* ``trace_autograd_ops``: ``loss.backward()`` traced into the step's graph;
+* ``ignore_logging_functions``: a model's ``logger.warning_once`` skipped instead of breaking the graph.
+
+Set plainly, they change every other compile in the process: a model sharded by torch's FSDP2 or
+wrapped in DDP and compiled with ``backend="eager"`` would have its backward traced, so the
+gradient hooks those wrappers rely on never run (docs/design.md §36). ``torch.compile`` gives a
+backend named by a string no hook that runs before tracing, so each setting here is a value whose
+truth Dynamo asks at the moment it decides, and which answers for the compile that asks:
+
+    torch._dynamo.config.trace_autograd_ops = ONLY_FOR_OPTPASS_COMPILES   # bool(...) per decision
+
+``optpass_compile_in_progress()`` reads the backend of the frame Dynamo is tracing (its output
+graph's compiler, unwrapped through torch.compile's and Dynamo's wrappers) and looks for the mark
+``mark_optpass_backend`` puts on optpass's backends. Outside a trace, or for any other backend, the
+settings read as torch's defaults.
+
+Even for an optpass compile backward is traced only where the frame holds a tensor that can take a
+gradient (a parameter, an input leaf): Dynamo 2.13 turns a ``loss.backward()`` whose frame holds
+none, because the forward ran outside it (a graph break in the model, FSDP2's or DDP's forward,
+which Dynamo never compiles), into nothing at all, and no gradient is made. Answering False there
+makes Dynamo break the graph at backward() instead: backward runs from eager autograd, with every
+hook, as it would without optpass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+_MARK = "_optpass_traces_backward"
+# stdlib logging methods, and the ones Hugging Face transformers adds to logging.Logger
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
+_WRAPPED_BACKEND_ATTRIBUTES = ("_torchdynamo_orig_backend", "compiler_fn", "func", "__wrapped__")
+
+
+def mark_optpass_backend(backend):
+    """Mark ``backend`` (a function or partial) as optpass's: Dynamo's traces for it capture backward."""
+    setattr(backend, _MARK, True)
+    return backend
+
+
+def _current_trace():
+    """The root instruction translator of the frame Dynamo is tracing on this thread, or None."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:              # no frame was ever traced on this thread
+        return None
+
+
+def _is_optpass_backend(backend) -> bool:
+    for _ in range(8):                  # WrapBackendDebug -> torch.compile's wrapper -> partial -> ours
+        if backend is None:
+            return False
+        if getattr(backend, _MARK, False):
+            return True
+        backend = next((getattr(backend, a) for a in _WRAPPED_BACKEND_ATTRIBUTES if hasattr(backend, a)), None)
+    return False
+
+
+def optpass_compile_in_progress() -> bool:
+    """Is Dynamo, on this thread, tracing a frame whose graph goes to an optpass backend?"""
+    trace = _current_trace()
+    return trace is not None and _is_optpass_backend(getattr(trace.output, "compiler_fn", None))
+
+
+def _frame_holds_a_gradient_leaf(trace) -> bool:
+    """Does the traced frame hold a tensor backward() could give a gradient (Dynamo's own choice of
+    backward()'s inputs: graph inputs and tensors made leaves in the frame, requiring grad, no grad_fn)?"""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    output = trace.output
+    variables = [*getattr(output, "leaf_var_creation_order", ()), *output.input_source_to_var.values()]
+    return any(isinstance(v, TensorVariable) and v.requires_grad and not v.has_grad_fn for v in variables)
+
+
+class _OnlyForOptpassCompiles:
+    """``torch._dynamo.config.trace_autograd_ops``: true while Dynamo traces, for an optpass backend,
+    a frame that holds a parameter or another leaf requiring grad; false otherwise."""
+
+    def __bool__(self) -> bool:
+        trace = _current_trace()
+        return (trace is not None and _is_optpass_backend(getattr(trace.output, "compiler_fn", None))
+                and _frame_holds_a_gradient_leaf(trace))
+
+    def __repr__(self) -> str:
+        return "optpass.dynamo_scope.ONLY_FOR_OPTPASS_COMPILES"
+
+    def __reduce__(self):               # config hashes pickle it: one stable value
+        return "ONLY_FOR_OPTPASS_COMPILES"
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def to_jsonable(self) -> str:       # Dynamo's compilation-metrics log writes its config as JSON
+        return "only for optpass compiles"
+
+
+ONLY_FOR_OPTPASS_COMPILES = _OnlyForOptpassCompiles()
+
+
+class _LoggingMethodsForOptpass(set):
+    """Dynamo's ignore set for logging calls: torch's own entries for every compile; for an optpass
+    compile also logging.Logger's message methods, including those a library adds to logging.Logger
+    after optpass was loaded (transformers does, when it is imported). Errors and exceptions are not
+    skipped (logger.error / exception / critical still break)."""
+
+    def __contains__(self, fn) -> bool:
+        if set.__contains__(self, fn):
+            return True
+        name = getattr(fn, "__name__", None)
+        return (name in _LOGGER_METHODS and getattr(logging.Logger, name, None) is fn
+                and optpass_compile_in_progress())
+
+
+class _OptimizerRecordFunctionNote(logging.Filter):
+    """Drops Dynamo's "Profiler record function ... will be ignored" when optpass traces torch.optim.
+
+    With backward captured, the supported step shape makes Dynamo trace ``opt.step()``, whose
+    wrapper (``Optimizer.profile_hook_step`` in torch/optim/optimizer.py) opens a
+    ``torch.autograd.profiler.record_function``; Dynamo then logs that note as a WARNING once per
+    process (``ProfilerRecordFunctionContextVariable.create`` in
+    torch/_dynamo/variables/ctx_manager.py). It is torch's own code and nothing a user can act on,
+    so this drops exactly that record when the innermost function Dynamo is tracing for an optpass
+    compile is in torch/optim; a ``record_function`` in the user's own code, or any other backend's
+    compile, still gets the note.
+    """
+
+    MESSAGE = "Profiler record function %s will be ignored"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE or not optpass_compile_in_progress():
+            return True
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+        frame = sys._getframe()
+        while frame is not None:       # the innermost translator: the function being traced
+            tracer = frame.f_locals.get("self")
+            if isinstance(tracer, InstructionTranslatorBase):
+                return f"torch{os.sep}optim{os.sep}" not in tracer.f_code.co_filename
+            frame = frame.f_back
+        return True
+
+
+def install() -> None:
+    """Put the scoped settings in place (idempotent; again after someone replaced them).
+
+    A ``trace_autograd_ops`` the user set to True themselves is left as they set it.
+    """
+    config = torch._dynamo.config
+    if config.trace_autograd_ops is False:
+        config.trace_autograd_ops = ONLY_FOR_OPTPASS_COMPILES
+    if not isinstance(config.ignore_logging_functions, _LoggingMethodsForOptpass):
+        config.ignore_logging_functions = _LoggingMethodsForOptpass(config.ignore_logging_functions)
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    if not any(isinstance(f, _OptimizerRecordFunctionNote) for f in logger.filters):
+        logger.addFilter(_OptimizerRecordFunctionNote())

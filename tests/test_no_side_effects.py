@@ -1,0 +1,128 @@
+"""Importing optpass, or compiling with it, changes no other compile (optpass/dynamo_scope.py).
+
+Each program runs in a fresh interpreter, once with optpass imported and once without: what Dynamo
+does with another backend's step (where it breaks the graph, what it trains) must be the same. The
+2-rank programs (torch's FSDP2 and DDP beside optpass) are in tests/test_user_programs_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import optpass
+from tests.test_backend import run_python
+
+# A step with a logging call in the model and a backward(); prints Dynamo's graph-break reasons and
+# the parameters after 3 SGD steps.
+OTHER_BACKENDS_STEP = """
+import json, logging, sys, torch, torch.nn as nn, torch.nn.functional as F
+if sys.argv[1] == "import":
+    import optpass
+log = logging.getLogger("user_model")
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 2)
+    def forward(self, x):
+        log.warning("forward")
+        return self.b(torch.tanh(self.a(x)))
+
+torch.manual_seed(0)
+model = Model()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    out = loss.detach()
+    opt.step()
+    opt.zero_grad()
+    return out
+
+step = torch.compile(train_step, backend=sys.argv[2])
+g = torch.Generator().manual_seed(1)
+for _ in range(3):
+    step(torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g))
+from torch._dynamo.utils import counters
+print(json.dumps({"breaks": sorted(counters["graph_break"]), "params": [p.tolist() for p in model.parameters()]}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_another_backends_compile_is_the_same_with_optpass_imported(backend):
+    """Its backward() and its logging call break the graph as they do without optpass (no traced
+    backward, no skipped logging), and it trains to the same parameters."""
+    runs = {}
+    for imported in ("import", "no-import"):
+        out = run_python(OTHER_BACKENDS_STEP.replace("sys.argv[1]", repr(imported)).replace("sys.argv[2]", repr(backend)))
+        runs[imported] = json.loads(out.strip().splitlines()[-1])
+    assert runs["import"] == runs["no-import"]
+    assert any("backward" in reason for reason in runs["import"]["breaks"]), runs["import"]["breaks"]
+    assert any("logging" in reason.lower() for reason in runs["import"]["breaks"]), runs["import"]["breaks"]
+
+
+def test_dynamo_settings_read_as_torchs_outside_an_optpass_compile():
+    assert not torch._dynamo.config.trace_autograd_ops
+    assert logging.Logger.warning not in torch._dynamo.config.ignore_logging_functions
+
+
+class _BreakInTheHead(nn.Linear):
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def _model_broken_in_its_head():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), _BreakInTheHead(16, 5))
+
+
+def _step(model, opt):
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def test_a_graph_break_in_the_model_trains_as_eager_and_is_warned():
+    """The step's frame after the break holds no parameter: Dynamo 2.13 would turn its traced
+    backward() into nothing (no gradient, the model never trains); optpass lets backward run eagerly
+    and says why it cannot rewrite it."""
+    torch._dynamo.reset()
+    model = _model_broken_in_its_head()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = torch.compile(_step(model, opt), backend="optpass", options={"lower": "eager"})
+    g = torch.Generator().manual_seed(2)
+    with pytest.warns(optpass.BackwardOutsideGraphWarning, match="a graph break inside it") as record:
+        for _ in range(3):
+            x, y = torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
+            step(x, y)
+            _step(reference, reference_opt)(x, y)
+    assert "test_no_side_effects.py" in str(record[0].message)
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())) <= 1e-6
+    assert any((a - b).abs().max() > 0 for a, b in zip(model.parameters(), _model_broken_in_its_head().parameters()))
+
+
+def test_a_graph_break_in_the_model_refuses_a_whole_step_rewrite_naming_it():
+    torch._dynamo.reset()
+    model = _model_broken_in_its_head()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+    with pytest.raises(optpass.OptpassError, match=r"optimizer_in_backward needs backward\(\) inside the compiled "
+                       r"step\. The loss's backward\(\) at .*test_no_side_effects.py.* broken off by a graph break "
+                       r"inside it.*torch._dynamo.explain"):
+        step(torch.randn(4, 7), torch.randn(4, 5))
