@@ -23,7 +23,7 @@ from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.dynamo_scope import mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
-from optpass.fsdp.shard import optimizer_group, replaced_name, shard_spec
+from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_every_update_is_handled, check_fsdp, check_grad_scaler,
                               check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
                               check_zero1, ends_at_optimizer_step)
@@ -182,6 +182,8 @@ def check_fully_sharded(captured, options) -> None:
                 "each parameter again in backward and checks what the step does with the sharded gradients.")
         return
     check_fsdp(captured, options)
+    for optimizer in optimizers_of(options.optimizer):    # its state_dict() in FSDP2's language (DTensors)
+        adopt_optimizer(optimizer)
     if captured.kind is not GraphKind.STEP:
         return
     if not sharded:

@@ -45,11 +45,13 @@ from optpass.errors import OptpassError, warn_at_user_line
 _INITIALIZING: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # root module -> [(qualified name, module, buffer name)] of its buffers that were on the meta device
 _META_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_ALIVE: "weakref.WeakSet[_WrittenBack]" = weakref.WeakSet()
+_ALIVE: WeakIdKeyDictionary = WeakIdKeyDictionary()    # temporaries alive -> True (identity, see below)
 # shard -> its version counter after optpass last wrote it: a write that is not optpass's (through
 # ``model.parameters()``, which yields the shards) drew values for the shard's shape, not the full one's
 _VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_WRITTEN_DIRECTLY: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+# shards an init wrote directly (keyed by identity: a WeakSet of tensors compares them with ==, which
+# raises for a tensor of more than one element)
+_WRITTEN_DIRECTLY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # every module passed to fully_shard, in the order of the calls (the same on every rank)
 _ROOTS: "list[weakref.ref[torch.nn.Module]]" = []
 
@@ -69,7 +71,7 @@ def mark_written(shard: torch.Tensor, loaded: bool = False) -> None:
     if shard in _INITIALIZING:
         _VERSION[shard] = shard._version
         if loaded:
-            _WRITTEN_DIRECTLY.discard(shard)
+            _WRITTEN_DIRECTLY.pop(shard, None)
 
 
 class _WrittenBack(torch.Tensor):
@@ -113,7 +115,7 @@ class _WrittenBack(torch.Tensor):
             rows = self.as_subclass(torch.Tensor).reshape(-1, *shard.shape[1:]) if self.dim() else \
                 self.as_subclass(torch.Tensor).reshape(1)
             if shard in _VERSION and shard._version != _VERSION[shard]:
-                _WRITTEN_DIRECTLY.add(shard)      # an init drew values for the shard's shape: the random
+                _WRITTEN_DIRECTLY[shard] = True      # an init drew values for the shard's shape: the random
             shard[:valid].copy_(rows[offset:offset + valid])    # stream differs from one device's from there on
             mark_written(shard)
 
@@ -145,7 +147,7 @@ def full_for_initialization(shard: torch.Tensor, spec) -> torch.Tensor:
     full = pieces[:spec.rows].reshape(spec.shape)
     temporary = torch.Tensor._make_subclass(_WrittenBack, full, False)
     temporary._optpass_target = (shard, spec.offset, spec.valid)
-    _ALIVE.add(temporary)
+    _ALIVE[temporary] = True
     return temporary
 
 

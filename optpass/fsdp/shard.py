@@ -6,7 +6,8 @@ N (a 0-d parameter counts as one row), as ``torch.chunk`` and DTensor's ``Shard(
 shape never changes, so the step's graph inputs and Dynamo's guards stay stable; it keeps the
 parameter's number of dimensions (param groups chosen by ``p.dim()`` stay right);
 ``model.parameters()`` yields shards (an optimizer built afterwards keeps state for the shards
-only) and ``model.state_dict()`` holds shards under the parameters' own names.
+only); ``model.state_dict()`` holds, as FSDP2's does, each parameter as a DTensor of its full shape
+whose local tensor is this rank's rows (``optpass.fsdp.state_dict``).
 
 Reading the parameter through its module (``linear.weight``) gathers it: the module's class is
 swapped for a subclass whose property of that name returns ``gather(shard)``, an all-gather of the
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
-from optpass.fsdp import materialize
+from optpass.fsdp import materialize, state_dict
 from optpass.fsdp.gather import gather, rows_per_rank
 from optpass.process_groups import collective_group_name
 from optpass.zero1.agreement import agree
@@ -197,11 +198,35 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         # in the property would break the graph)
         object.__setattr__(sub, GATHER_ARGS, gathering)
         sub.__class__ = _sharded_class(type(sub), tuple(sorted(local)))
+        # its state dict in FSDP2's language: DTensors over the group's mesh (optpass.fsdp.state_dict)
+        state_dict.install_module_hooks(sub, _sharded_names, shard_spec, _loaded)
     object.__setattr__(module, SHARDED_HERE, True)
+    state_dict.adopt_optimizers_at_their_first_step(shard_spec, _stepped_at_zero_lr)
     if not isinstance(module, _KeepsShardsThroughApply):
         module.__class__ = _keeping_shards_class(type(module))
     materialize.track_root(module)
     return module
+
+
+def _sharded_names(module: torch.nn.Module) -> list[str]:
+    return list(getattr(module, GATHER_ARGS, {}))
+
+
+def _loaded(shard: torch.Tensor) -> None:
+    """A load_state_dict wrote ``shard``'s rows: a checkpoint's values, not an init's direct write."""
+    materialize.mark_written(shard, loaded=True)
+
+
+def adopt_optimizer(optimizer) -> None:
+    """The optimizer's ``state_dict()`` / ``load_state_dict`` speak DTensors for its shards' state
+    (``optpass.fsdp.state_dict``); done at its first step, or here by a step compiled with it."""
+    state_dict.adopt_optimizer(optimizer, shard_spec, _stepped_at_zero_lr)
+
+
+def _stepped_at_zero_lr(shard: torch.Tensor) -> None:
+    """An optimizer's load_state_dict took state for ``shard``: the step torch's set_state_dict takes at
+    lr 0 before it (to create the state) wrote the shard in place, which is not an init's draw."""
+    materialize.mark_written(shard)
 
 
 class _KeepsShardsThroughApply:
