@@ -24,7 +24,7 @@ from optpass.dynamo_scope import mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, shard_spec
-from optpass.legality import (check_every_update_is_handled, check_fsdp, check_grad_scaler,
+from optpass.legality import (check_every_update_is_handled, check_no_distributed_tensor_parameters, check_fsdp, check_grad_scaler,
                               check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
                               check_zero1, ends_at_optimizer_step)
 from optpass.optim.elementwise import non_elementwise_ops
@@ -112,6 +112,8 @@ def _compile(gm, example_inputs, options, mode):
     warn_optimizer_step_in_loop(captured, options)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
+    # DTensor parameters (tensor parallelism): refused, with what works today.
+    check_no_distributed_tensor_parameters(captured, options)
     # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.
     check_fully_sharded(captured, options)
     # An optimizer's step() over parameters that no optimizer in options holds: refused under
@@ -159,8 +161,7 @@ def _warn_undistributed(captured, options) -> None:
         warn_at_user_line(
             f"optpass: torch.distributed runs {dist.get_world_size()} ranks, but this training step is compiled "
             "without data_parallel: this rank trains on its own batches, its gradients are not averaged "
-            "across ranks. To train data-parallel pass options={..., 'data_parallel': 'zero1'} on every rank "
-            "(a DistributedDataParallel model is not averaged either: see the README's ZeRO-1 section).",
+            "across ranks. To train data-parallel pass options={..., 'data_parallel': 'zero1'} on every rank.",
             UserWarning, where)
 
 

@@ -568,6 +568,40 @@ def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
 _WARNED_UNLISTED: set[tuple[str, int] | None] = set()
 
 
+def check_no_distributed_tensor_parameters(captured: CapturedGraph, options) -> None:
+    """Parameters that are DTensors (tensor, sequence or context parallelism by ``parallelize_module``):
+    optpass's capture, legality and rewrites reason about plain tensors (a gradient is its parameter's,
+    a collective is one optpass placed), so a step that traces backward over them, or any graph of a
+    step whose options ask for a rewrite, is refused. torch's FSDP2 holds DTensors too, but Dynamo never
+    compiles its forward into the step (backward runs eagerly, docs/design.md §49): its update graph
+    alone is lowered as it is."""
+    if captured.forward_outside is not None:
+        return                      # refused or warned with the wrapper that ran the forward (FSDP2, DDP)
+    dtensors = [p.name for p in captured.params if _is_dtensor(p.tensor)]
+    optimizer_params = [p for o in optimizers_of(options.optimizer) for g in o.param_groups for p in g["params"]]
+    asks_rewrite = options.optimizer is not None or options.data_parallel is not None
+    if not (dtensors and (captured.kind is GraphKind.STEP or asks_rewrite)) and not (
+            asks_rewrite and any(_is_dtensor(p) for p in optimizer_params)):
+        return
+    named = f" ({', '.join(dtensors[:3])}{', ...' if len(dtensors) > 3 else ''})" if dtensors else ""
+    raise OptpassError(
+        f"optpass: this step trains parameters that are DTensors{named}: tensor, sequence or context "
+        "parallelism (torch.distributed.tensor.parallel.parallelize_module), or torch's FSDP2. optpass's "
+        "rewrites work on plain tensors and cannot prove a step legal across the collectives DTensor adds, "
+        "so it refuses rather than train something other than your model. What works today: data "
+        "parallelism with optpass's own sharding, optpass.fully_shard(model) with "
+        "options={'optimizer': opt, 'data_parallel': 'fsdp'} (or 'zero1' on an unsharded model), on every "
+        "rank; a tensor-parallel model trains eagerly, without optpass.")
+
+
+def _is_dtensor(tensor) -> bool:
+    if tensor is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def check_every_update_is_handled(captured: CapturedGraph, options) -> None:
     """An optimizer's ``step()`` compiled in the step (an update graph) over parameters that no
     optimizer of ``options['optimizer']`` holds: optpass neither fuses, shards nor checks that update.

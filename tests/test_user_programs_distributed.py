@@ -17,7 +17,7 @@ PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimi
             "grad_scaler_on_rank_zero_only",
             # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
             "refusal_on_rank_one_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "unused_head", "explain_a_zero1_step",
+            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
 
@@ -137,8 +137,18 @@ def test_a_torch_fsdp2_model_trains_as_one_process_beside_optpass_and_a_fused_up
         assert runs["optpass"]["relative"] <= 1e-9, runs
         message = runs["optpass+fused"]["error"]
         assert "optimizer_in_backward needs backward() inside the compiled step" in message
-        assert "torch's FSDP2 (torch.distributed.fsdp.fully_shard)" in message
+        assert "torch's FSDP2 (torch.distributed.fsdp.fully_shard)" in message, message
         assert "optpass.fully_shard" in message and "'data_parallel': 'fsdp'" in message
+
+
+def test_a_tensor_parallel_model_is_refused_on_every_rank_naming_tensor_parallelism(ranks):
+    for result in ranks:
+        runs = result["tensor_parallel_model"]
+        for name in ("plain", "fused"):
+            message = runs[name]["error"]
+            assert message and "DTensors" in message and "tensor, sequence or context parallelism" in message, runs
+            assert "optpass.fully_shard(model)" in message, message
+        assert not any("its own batches" in w for w in runs["warnings"]), runs["warnings"]
 
 
 def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling_it():
