@@ -361,6 +361,15 @@ def random_ops_in_checkpoint_refused():
     try:
         yield
     except RuntimeError as error:
+        if "disjoint backward regions that require recomputation" in str(error):
+            raise OptpassError(
+                "activation checkpointing (torch.utils.checkpoint, Hugging Face's "
+                "gradient_checkpointing_enable()) cannot be compiled in this step yet: torch "
+                "rematerializes a traced backward only when it is one contiguous region, and this "
+                "step's is split. With data_parallel='fsdp' each parameter gather's backward splits it "
+                "(docs/fsdp.md, 'Coming from torchtitan / FSDP2'): train under fsdp without "
+                f"checkpointing, or checkpoint with data_parallel='zero1' or on one device. (torch: {error})"
+            ) from error
         if "RNG ops in recompute regions" not in str(error):
             raise
         ops = "".join(f"\n  {op}" for op in _random_ops_to_recompute(error))

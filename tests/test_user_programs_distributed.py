@@ -17,7 +17,7 @@ PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimi
             "grad_scaler_on_rank_zero_only",
             # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
             "refusal_on_rank_one_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "unused_head", "explain_a_zero1_step",
+            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "checkpointed_blocks_under_fsdp", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
 
@@ -149,6 +149,14 @@ def test_a_tensor_parallel_model_is_refused_on_every_rank_naming_tensor_parallel
             assert message and "DTensors" in message and "tensor, sequence or context parallelism" in message, runs
             assert "optpass.fully_shard(model)" in message, message
         assert not any("its own batches" in w for w in runs["warnings"]), runs["warnings"]
+
+
+def test_activation_checkpointing_under_fsdp_is_refused_saying_so_on_every_rank(ranks):
+    """Not supported yet (docs/fsdp.md): an OptpassError with the cause and what works, not torch's
+    'disjoint backward regions' RuntimeError."""
+    for result in ranks:
+        message = result["checkpointed_blocks_under_fsdp"].get("refused")
+        assert message and "activation checkpointing" in message and "data_parallel='fsdp'" in message, result
 
 
 def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling_it():

@@ -375,6 +375,37 @@ def tensor_parallel_model(rank, world):
     return results
 
 
+def checkpointed_blocks_under_fsdp(rank, world):
+    """torch.utils.checkpoint around each block of a model sharded per block (torchtitan's habit):
+    not supported yet, refused on every rank as an OptpassError that says so, not torch's raw error."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+            self.head = nn.Linear(6, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    for block in model.blocks:
+        optpass.fully_shard(block)
+    optpass.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "fsdp", "lower": "eager"})
+    try:
+        step(*batch(0, rank, world))
+        return {"error": None}
+    except optpass.OptpassError as error:
+        return {"refused": str(error)}
+
+
 def _gathered(tensor):
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
