@@ -10,9 +10,10 @@
   nothing: the callable returns zeros shaped like the real outputs, so
   explaining a step does not train the model.
 
-Each lowering turns torch's refusal of random ops in an activation-checkpointed
-region (a limit of graphs whose backward is traced) into an ``OptpassError``
-that names the ops and the fix (``random_ops_in_checkpoint_refused``).
+Each lowering leaves activation-checkpointed regions to optpass: torch's own
+rematerialization is off for its compiles, and the pipeline begins with
+``checkpointed_regions.rematerialize`` (which also refuses, as an ``OptpassError``
+naming the ops and the fix, random ops in a recomputed region).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from optpass import passes
 from optpass.passes import _row_chunks, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
+from optpass.checkpointed_regions import rematerialize, torch_remat_off
 from optpass.errors import OptpassError, user_line
 from optpass.random_draws import draw_randn_like_in_one_op
 from optpass.report import GraphReport, keeping_graphs, record
@@ -48,6 +50,9 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     """Run the pass pipeline over one aten graph of a captured Dynamo graph, in place."""
     if _is_backward_graph(graph):
         return  # the backward of a forward-only capture: nothing of the step is visible here
+    # activation checkpointing: checkpointed regions recomputed in backward, as torch would have
+    # (optpass/checkpointed_regions.py: torch's own pass cannot take an fsdp step's backward)
+    rematerialize(graph)
     step = StepGraph.build(graph, captured, context)
     keep = keeping_graphs()
     report.aten_ops_before = passes.count_ops(graph)
@@ -210,7 +215,7 @@ def lower_eager(gm, example_inputs, rewrite_fn: Callable[[torch.fx.Graph], None]
     def compile_backward(aten_gm: torch.fx.GraphModule, _inputs):
         return make_boxed_func(aten_gm.forward)
 
-    with random_ops_in_checkpoint_refused():
+    with torch_remat_off():
         return aot_module_simplified(gm, example_inputs, fw_compiler=compile_rewritten,
                                      bw_compiler=compile_backward, keep_inference_input_mutations=True)
 
@@ -258,7 +263,7 @@ def lower_inductor(gm, example_inputs, rewrite_fn, key: str, config_patches: dic
         # randn_like over 3.1M elements, 180 ms vs 33 ms); DP-SGD's noise makes that most of a
         # step. With aten's generator the stream is also eager PyTorch's for the same seed.
         patches["fallback_random"] = True
-    with random_ops_in_checkpoint_refused(), compiled_in_this_process(), optpass_errors_unwrapped():
+    with torch_remat_off(), compiled_in_this_process(), optpass_errors_unwrapped():
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -321,7 +326,7 @@ def lower_dry(gm, example_inputs, rewrite_fn):
         rewrite_fn(aten_gm.graph)
         return make_boxed_func(aten_gm.forward)
 
-    with random_ops_in_checkpoint_refused():
+    with torch_remat_off():
         aot_module_simplified(gm, example_inputs, fw_compiler=record_only, bw_compiler=record_only,
                               keep_inference_input_mutations=True)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -340,62 +345,3 @@ def _zeros_like(example: Any) -> Any:
     shape = [int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in example.shape]
     return torch.zeros(shape, dtype=example.dtype, device=example.device).requires_grad_(
         example.requires_grad)
-
-
-# ---------------------------------------------------------------- torch's refusals, explained
-
-@contextlib.contextmanager
-def random_ops_in_checkpoint_refused():
-    """Activation checkpointing around random ops, in a step whose backward is traced: refused.
-
-    Precondition: a region under ``torch.utils.checkpoint`` (Hugging Face's
-    ``activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``) holds
-    an op that draws random numbers: dropout, or ``scaled_dot_product_attention``, whose aten
-    kernels are tagged random even with ``dropout_p=0``. Recomputing it in backward must replay
-    the same numbers; torch 2.13 does that only when it partitions a forward/backward joint
-    graph, not in the single forward-loss-backward graph that a traced ``backward()`` gives
-    (under any backend), where AOTAutograd raises a RuntimeError that names neither the op nor
-    the fix. Effect: the same refusal as an OptpassError that names the ops (with their source
-    lines) and the fix.
-    """
-    try:
-        yield
-    except RuntimeError as error:
-        if "disjoint backward regions that require recomputation" in str(error):
-            raise OptpassError(
-                "activation checkpointing (torch.utils.checkpoint, Hugging Face's "
-                "gradient_checkpointing_enable()) cannot be compiled in this step yet: torch "
-                "rematerializes a traced backward only when it is one contiguous region, and this "
-                "step's is split. With data_parallel='fsdp' each parameter gather's backward splits it "
-                "(docs/fsdp.md, 'Coming from torchtitan / FSDP2'): train under fsdp without "
-                f"checkpointing, or checkpoint with data_parallel='zero1' or on one device. (torch: {error})"
-            ) from error
-        if "RNG ops in recompute regions" not in str(error):
-            raise
-        ops = "".join(f"\n  {op}" for op in _random_ops_to_recompute(error))
-        raise OptpassError(
-            "activation checkpointing would recompute ops that draw random numbers, which torch "
-            "cannot replay in a step whose backward() is traced into the graph (what optpass "
-            "compiles); scaled_dot_product_attention counts as random even with dropout_p=0. "
-            "Fix: keep dropout and scaled_dot_product_attention out of the checkpointed function "
-            "(for a Hugging Face model: attn_implementation=\"eager\" and zero dropout in the "
-            "checkpointed layers), or train without activation checkpointing."
-            + (f" The random ops:{ops}" if ops else "")) from error
-
-
-def _random_ops_to_recompute(error: RuntimeError) -> list[str]:
-    """The random ops torch refused to recompute, with their source lines: read from the aten
-    graph its remat pass was given (the raising frame's ``gm``), the first three distinct ones."""
-    from torch._functorch.partitioners import must_recompute
-
-    tb, gm = error.__traceback__, None
-    while tb is not None and gm is None:
-        if tb.tb_frame.f_code.co_name == "remat_using_tags_for_fwd_loss_bwd_graph":
-            gm = tb.tb_frame.f_locals.get("gm")
-        tb = tb.tb_next
-    found: list[str] = []
-    for node in gm.graph.nodes if isinstance(gm, torch.fx.GraphModule) else ():
-        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            where = user_line(node.meta.get("stack_trace"))
-            found.append(f"{node.target} at {where}" if where else str(node.target))
-    return list(dict.fromkeys(found))[:3]

@@ -27,7 +27,7 @@ Hugging Face specifics seen here:
   eager's (BERT below). The Inductor lowering does too on CPU (``fallback_random``; checked by
   hand on this BERT, and in test_backend.py's random-ops test), but costs a C++ compile of
   ~1 min here: this file has no Inductor case (Inductor parity: test_optimizer_in_backward.py).
-* Activation checkpointing works with eager attention; around SDPA (or dropout) it is refused
+* Activation checkpointing works with eager and SDPA attention; around dropout it is refused
   with the op and the fix: torch cannot recompute random ops in a traced backward.
 * Attention key biases get a gradient that is zero up to rounding (softmax does not see a
   per-query constant); Adam normalises that noise into updates that differ between the runs
@@ -172,24 +172,27 @@ def test_gpt2_with_labels_is_fused_and_matches_eager():
     assert_same_parameters(model, reference)
 
 
-def test_llama_with_activation_checkpointing_matches_eager():
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_with_activation_checkpointing_matches_eager(attention):
     """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False): the decoder
     layer's activations are recomputed inside the traced backward, the updates fused after them.
-    Eager attention: SDPA in a checkpointed region is refused (next test)."""
+    SDPA too: torch tags its kernels random even with dropout_p=0, but without dropout they draw
+    nothing, so optpass recomputes them (optpass/checkpointed_regions.py)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(decoder_config(transformers.LlamaConfig,
-                                                         attn_implementation="eager")).double()
+                                                         attn_implementation=attention)).double()
     enable_checkpointing(model)
     losses, model, reference = train_fused_and_eager(model, adamw, token_batches([(2, 8)] * STEPS))
     assert_same_losses(losses, rel=F32_LOSS)
     assert_same_parameters(model, reference)
 
 
-def test_checkpointing_around_sdpa_is_refused_with_the_op_and_the_fix(llama):
+def test_checkpointing_around_attention_dropout_is_refused_with_the_op_and_the_fix(llama):
     """torch cannot recompute random ops of a checkpointed region when backward() is traced into
-    the graph (under any backend), and SDPA's kernels count as random even with dropout_p=0.
-    AOTAutograd's own error names neither; optpass's names the op, its line, and the fix."""
-    model = copy.deepcopy(llama)
+    the graph (under any backend): attention dropout in a checkpointed layer is refused, naming the
+    op, its line, and the fix."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(decoder_config(transformers.LlamaConfig, attention_dropout=0.1))
     enable_checkpointing(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = torch.compile(hf_step(model, opt), backend="optpass",
@@ -199,8 +202,9 @@ def test_checkpointing_around_sdpa_is_refused_with_the_op_and_the_fix(llama):
         step(token_batches([(2, 8)])[0])
     message = str(refused.value)
     assert "activation checkpointing would recompute ops that draw random numbers" in message
-    assert "_scaled_dot_product_flash_attention_for_cpu" in message and "sdpa_attention.py" in message
-    assert 'attn_implementation="eager"' in message
+    # SDPA with dropout runs its math path on CPU: the dropout op, at the attention call
+    assert "aten.native_dropout.default at " in message and "sdpa_attention.py" in message
+    assert "keep dropout out of the checkpointed function" in message
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))     # nothing trained
 
 

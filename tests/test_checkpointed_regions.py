@@ -1,0 +1,88 @@
+"""Activation checkpointing in a traced backward, recomputed by optpass (optpass/checkpointed_regions.py).
+
+One process here; under data_parallel="fsdp" on 2 ranks: checkpointed_blocks_under_fsdp in
+tests/test_user_programs_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import optpass
+from optpass.capture import GraphKind
+
+
+class Blocks(nn.Module):
+    """Residual MLP blocks whose wide hidden activations are what checkpointing saves."""
+
+    def __init__(self, width=64, hidden=512, depth=3, checkpointed=True):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
+                                    for _ in range(depth))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x))
+        return x
+
+
+def _step(model, opt):
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
+
+
+def test_checkpointed_blocks_are_recomputed_in_backward_and_train_as_eager():
+    """The graph after the passes recomputes each block's hidden activation just before backward
+    needs it (``tanh_recomputed``), the update fused after; float64, 4 steps, equal to eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks(width=8, hidden=16).double()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+    step = torch.compile(_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+    g = torch.Generator().manual_seed(0)
+    with optpass.keep_graphs():
+        for _ in range(4):
+            x, y = torch.randn(4, 8, generator=g).double(), torch.randn(4, 8, generator=g).double()
+            step(x, y)
+            _step(reference, reference_opt)(x, y)
+        report = next(r for r in optpass.recent_reports() if r.captured.kind is GraphKind.STEP)
+    recomputed = [n.name for n in report.graph_after.nodes if n.name.endswith("_recomputed")]
+    assert sum(name.startswith("tanh") for name in recomputed) == 3, recomputed
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())) <= 1e-12
+
+
+def test_checkpointing_lowers_the_steps_peak():
+    """The step's live-tensor peak, 6 blocks of hidden width 1024, batch 256, float32: with every block
+    checkpointed it is lower than without by at least a quarter of the hidden activations the blocks
+    would keep (measured 2.07 MB of 6.29 with the eager lowering, 1.28 with Inductor's: the recomputed
+    block's own activations are alive at backward's peak)."""
+    peaks = {}
+    for checkpointed in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Blocks(hidden=1024, depth=6, checkpointed=checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = torch.compile(_step(model, opt), backend="optpass",
+                             options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+        x, y = torch.randn(256, 64), torch.randn(256, 64)
+        step(x, y)
+        with optpass.measure_tensor_peak() as measured:
+            step(x, y)
+        peaks[checkpointed] = measured.peak_bytes
+    hidden = 6 * 256 * 1024 * 4              # each block's tanh output, kept for its backward
+    assert peaks[False] - peaks[True] >= hidden / 4, peaks
