@@ -122,6 +122,13 @@ def _compile(gm, example_inputs, options, mode):
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
     # A training step on one of several ranks, not data-parallel: say so (ranks that wait for it fail).
     _warn_undistributed(captured, options)
+    # A backward() Dynamo did not trace, in a frame with nothing before it (so no graph ended at it):
+    # warned, and refused by a rewrite that needs the whole step, as a graph ending there would be.
+    if captured.backward_declined is not None:
+        if options.warn_on_graph_break:
+            warn_backward_outside(captured.backward_declined)
+        if runtime is not None:
+            runtime.check(gm, captured.backward_declined, options)
     # A step that writes the lr in place: the update would not see it (silently), refuse with the fix.
     check_hyperparameter_writes(captured, fused=runtime is not None)
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run

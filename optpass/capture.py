@@ -136,6 +136,9 @@ class CapturedGraph:
     # forward graphs that end at a backward() Dynamo did not trace because the loss's forward ran
     # outside the frame: what ran it there (FSDP2, DDP, a graph break in the model); None otherwise
     forward_outside: str | None = None
+    # a backward() declined in a frame that held nothing before it (so no graph ended there), seen
+    # at the next graph captured: that backward's forward-kind view, for the warning and the refusal
+    backward_declined: "CapturedGraph | None" = None
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:
@@ -235,52 +238,39 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         # ended by a graph break: backward() was in the compiled code and Dynamo left it out;
         # ended by its return: a forward compiled alone (the model, an evaluation), nothing to warn of
         kind = GraphKind.FORWARD if split else GraphKind.MODEL
-    forward_outside = None
+    forward_outside, declined = None, dynamo_scope.take_declined_backward()
     if split is not None and split.reason.startswith(_BACKWARD_WITHOUT_LEAVES):
         # backward() of a loss whose forward ran outside this frame (optpass/dynamo_scope.py)
-        kind, forward_outside = GraphKind.FORWARD, _forward_outside_the_frame()
+        kind, forward_outside = GraphKind.FORWARD, _forward_outside(declined)
+        declined = None
     backward_line = common["split_line"] if kind is GraphKind.FORWARD else None
-    return CapturedGraph(kind=kind, backward_line=backward_line, params=params,
-                         forward_outside=forward_outside, **common)
+    captured = CapturedGraph(kind=kind, backward_line=backward_line, params=params,
+                             forward_outside=forward_outside, **common)
+    if declined is not None:
+        # ... whose frame held nothing before backward(): no graph ended there, this one follows it
+        line = SourceLine(declined.file, declined.line, declined.function,
+                          linecache.getline(declined.file, declined.line))
+        captured.backward_declined = dataclasses.replace(
+            captured, kind=GraphKind.FORWARD, split_line=line, backward_line=line, split_caller=None,
+            later_break=None, split_reason=_BACKWARD_WITHOUT_LEAVES, forward_outside=_forward_outside(declined))
+    return captured
 
 
 # Dynamo's break at a backward() that optpass's scoped trace_autograd_ops declined to trace: the
-# frame holds no parameter (docs/design.md §36)
+# frame holds no parameter (docs/design.md §49)
 _BACKWARD_WITHOUT_LEAVES = "Unsupported Tensor.backward() call"
 
 
-def _forward_outside_the_frame() -> str:
-    """Why a step's loss was computed outside the frame that calls backward(): the wrappers of
-    torch.distributed that the step's frame reaches (their forward is never compiled by Dynamo), or
-    a graph break in the model."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:
-        return _AFTER_A_BREAK
-    roots = [*tx.f_locals.values(), *(tx.f_globals.get(name) for name in tx.f_code.co_names)]
-    wrappers = sorted({wrapper for root in roots if isinstance(root, torch.nn.Module)
-                       for module in root.modules() if (wrapper := _distributed_wrapper(module))})
+def _forward_outside(declined) -> str:
+    """What computed a loss outside the frame that calls its backward(): torch.distributed's wrappers
+    the frame reaches (their forward is never compiled into the step), else a graph break in the model."""
+    wrappers = declined.wrappers if declined is not None else ()
     if not wrappers:
         return _AFTER_A_BREAK
     return f"the forward of modules wrapped by {' and '.join(wrappers)}, which Dynamo does not compile into the step"
 
 
 _AFTER_A_BREAK = "the model's forward, broken off by a graph break inside it"
-
-
-def _distributed_wrapper(module: torch.nn.Module) -> str | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, FSDPModule):
-        return "torch's FSDP2 (torch.distributed.fsdp.fully_shard)"
-    if isinstance(module, DistributedDataParallel):
-        return "DistributedDataParallel"
-    return None
 
 
 OPTIMIZER_SPLIT = "optimizer.step()"

@@ -28,6 +28,7 @@ hook, as it would without optpass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -82,14 +83,41 @@ def _frame_holds_a_gradient_leaf(trace) -> bool:
     return any(isinstance(v, TensorVariable) and v.requires_grad and not v.has_grad_fn for v in variables)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeclinedBackward:
+    """A backward() optpass's setting declined to trace (its frame held no parameter): where it is,
+    and what ran the loss's forward outside the frame (torch.distributed's wrappers it reaches)."""
+
+    file: str
+    line: int
+    function: str
+    wrappers: tuple[str, ...]
+
+
+_DECLINED: list[DeclinedBackward] = []
+
+
+def take_declined_backward() -> DeclinedBackward | None:
+    """The last backward() declined since this was last asked (None: none)."""
+    found = _DECLINED[-1] if _DECLINED else None
+    _DECLINED.clear()
+    return found
+
+
 class _OnlyForOptpassCompiles:
     """``torch._dynamo.config.trace_autograd_ops``: true while Dynamo traces, for an optpass backend,
-    a frame that holds a parameter or another leaf requiring grad; false otherwise."""
+    a frame that holds a parameter or another leaf requiring grad; false otherwise (a declined
+    backward() is remembered for the next graph optpass captures: ``take_declined_backward``)."""
 
     def __bool__(self) -> bool:
         trace = _current_trace()
-        return (trace is not None and _is_optpass_backend(getattr(trace.output, "compiler_fn", None))
-                and _frame_holds_a_gradient_leaf(trace))
+        if trace is None or not _is_optpass_backend(getattr(trace.output, "compiler_fn", None)):
+            return False
+        if _frame_holds_a_gradient_leaf(trace):
+            return True
+        _DECLINED.append(DeclinedBackward(trace.f_code.co_filename, getattr(trace, "lineno", 0) or 0,
+                                          trace.f_code.co_name, _distributed_wrappers(trace)))
+        return False
 
     def __repr__(self) -> str:
         return "optpass.dynamo_scope.ONLY_FOR_OPTPASS_COMPILES"
@@ -105,6 +133,21 @@ class _OnlyForOptpassCompiles:
 
 
 ONLY_FOR_OPTPASS_COMPILES = _OnlyForOptpassCompiles()
+
+
+def _distributed_wrappers(trace) -> tuple[str, ...]:
+    """torch.distributed's wrappers whose forward Dynamo does not compile into a step (FSDP2, DDP)
+    among the modules the traced frame reaches (its locals, the globals its code names)."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds = ((FSDPModule, "torch's FSDP2 (torch.distributed.fsdp.fully_shard)"),
+             (DistributedDataParallel, "DistributedDataParallel"))
+    roots = [*trace.f_locals.values(), *(trace.f_globals.get(name) for name in trace.f_code.co_names)]
+    return tuple(sorted({name for root in roots if isinstance(root, torch.nn.Module)
+                         for module in root.modules() for kind, name in kinds if isinstance(module, kind)}))
 
 
 class _LoggingMethodsForOptpass(set):

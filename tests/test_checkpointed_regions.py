@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import optpass
 from optpass.capture import GraphKind
+from parity import make_step, mlp_loss
 
 
 class Blocks(nn.Module):
@@ -32,17 +33,6 @@ class Blocks(nn.Module):
         return x
 
 
-def _step(model, opt):
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
-
-
 def test_checkpointed_blocks_are_recomputed_in_backward_and_train_as_eager():
     """The graph after the passes recomputes each block's hidden activation just before backward
     needs it (``tanh_recomputed``), the update fused after; float64, 4 steps, equal to eager."""
@@ -52,14 +42,14 @@ def test_checkpointed_blocks_are_recomputed_in_backward_and_train_as_eager():
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
-    step = torch.compile(_step(model, opt), backend="optpass",
+    step = torch.compile(make_step(model, opt, mlp_loss), backend="optpass",
                          options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
     g = torch.Generator().manual_seed(0)
     with optpass.keep_graphs():
         for _ in range(4):
             x, y = torch.randn(4, 8, generator=g).double(), torch.randn(4, 8, generator=g).double()
             step(x, y)
-            _step(reference, reference_opt)(x, y)
+            make_step(reference, reference_opt, mlp_loss)(x, y)
         report = next(r for r in optpass.recent_reports() if r.captured.kind is GraphKind.STEP)
     recomputed = [n.name for n in report.graph_after.nodes if n.name.endswith("_recomputed")]
     assert sum(name.startswith("tanh") for name in recomputed) == 3, recomputed
@@ -77,7 +67,7 @@ def test_checkpointing_lowers_the_steps_peak():
         torch.manual_seed(0)
         model = Blocks(hidden=1024, depth=6, checkpointed=checkpointed)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        step = torch.compile(_step(model, opt), backend="optpass",
+        step = torch.compile(make_step(model, opt, mlp_loss), backend="optpass",
                              options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
         x, y = torch.randn(256, 64), torch.randn(256, 64)
         step(x, y)

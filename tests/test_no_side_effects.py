@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
-from tests.test_backend import run_python
+from parity import make_step, mlp_loss
+from test_backend import run_python
 
 # A step with a logging call in the model and a backward(); prints Dynamo's graph-break reasons and
 # the parameters after 3 SGD steps.
@@ -84,7 +85,9 @@ def _model_broken_in_its_head():
     return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), _BreakInTheHead(16, 5))
 
 
-def _step(model, opt):
+def _step_computing_the_loss_itself(model, opt):
+    """The loss computed in the step's frame: after the model's break that frame's graph holds the
+    loss, and ends at backward()."""
     def train_step(x, y):
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -95,34 +98,49 @@ def _step(model, opt):
     return train_step
 
 
-def test_a_graph_break_in_the_model_trains_as_eager_and_is_warned():
+def _step_with_a_loss_helper(model, opt):
+    """The loss computed in a helper (tests/parity.py): the step's frame after the break holds nothing
+    before backward(), so no graph ends there; optpass learns of it at the next graph."""
+    return make_step(model, opt, mlp_loss)
+
+
+STEPS = {"loss in the step": (_step_computing_the_loss_itself, "test_no_side_effects.py"),
+         "loss in a helper": (_step_with_a_loss_helper, "parity.py")}
+
+
+@pytest.mark.parametrize("shape", sorted(STEPS))
+def test_a_graph_break_in_the_model_trains_as_eager_and_is_warned(shape):
     """The step's frame after the break holds no parameter: Dynamo 2.13 would turn its traced
     backward() into nothing (no gradient, the model never trains); optpass lets backward run eagerly
-    and says why it cannot rewrite it."""
+    and says why it cannot rewrite it, at the backward() line."""
+    make, step_file = STEPS[shape]
     torch._dynamo.reset()
     model = _model_broken_in_its_head()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    step = torch.compile(_step(model, opt), backend="optpass", options={"lower": "eager"})
+    step = torch.compile(make(model, opt), backend="optpass", options={"lower": "eager"})
     g = torch.Generator().manual_seed(2)
     with pytest.warns(optpass.BackwardOutsideGraphWarning, match="a graph break inside it") as record:
         for _ in range(3):
             x, y = torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
             step(x, y)
-            _step(reference, reference_opt)(x, y)
-    assert "test_no_side_effects.py" in str(record[0].message)
+            make(reference, reference_opt)(x, y)
+    ours = [str(w.message) for w in record if issubclass(w.category, optpass.BackwardOutsideGraphWarning)]
+    assert f"{step_file}:" in ours[0] and "loss.backward()" in ours[0], ours
     assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())) <= 1e-6
     assert any((a - b).abs().max() > 0 for a, b in zip(model.parameters(), _model_broken_in_its_head().parameters()))
 
 
-def test_a_graph_break_in_the_model_refuses_a_whole_step_rewrite_naming_it():
+@pytest.mark.parametrize("shape", sorted(STEPS))
+def test_a_graph_break_in_the_model_refuses_a_whole_step_rewrite_naming_it(shape):
+    make, step_file = STEPS[shape]
     torch._dynamo.reset()
     model = _model_broken_in_its_head()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = torch.compile(_step(model, opt), backend="optpass",
+    step = torch.compile(make(model, opt), backend="optpass",
                          options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
     with pytest.raises(optpass.OptpassError, match=r"optimizer_in_backward needs backward\(\) inside the compiled "
-                       r"step\. The loss's backward\(\) at .*test_no_side_effects.py.* broken off by a graph break "
+                       rf"step\. The loss's backward\(\) at .*{step_file}.* broken off by a graph break "
                        r"inside it.*torch._dynamo.explain"):
         step(torch.randn(4, 7), torch.randn(4, 5))
