@@ -56,10 +56,11 @@ print(json.dumps({"breaks": sorted(counters["graph_break"]), "params": [p.tolist
 """
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_another_backends_compile_is_the_same_with_optpass_imported(backend):
+def test_another_backends_compile_is_the_same_with_optpass_imported():
     """Its backward() and its logging call break the graph as they do without optpass (no traced
-    backward, no skipped logging), and it trains to the same parameters."""
+    backward, no skipped logging), and it trains to the same parameters. backend="eager": what
+    Dynamo traces does not depend on the backend (Inductor is left out for the suite's time)."""
+    backend = "eager"
     runs = {}
     for imported in ("import", "no-import"):
         out = run_python(OTHER_BACKENDS_STEP.replace("sys.argv[1]", repr(imported)).replace("sys.argv[2]", repr(backend)))
