@@ -38,12 +38,12 @@ def workdir(tmp_path_factory):
 # (docs/design.md §45).
 @pytest.fixture(scope="module")
 def two(workdir):
-    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=900, pg_timeout_s=120))
+    return values(run_ranks(2, workers.run_all, TWO, workdir, timeout_s=1500, pg_timeout_s=120))
 
 
 @pytest.fixture(scope="module")
 def three(two, workdir):          # after two: it resumes two's checkpoint
-    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=900, pg_timeout_s=120))
+    return values(run_ranks(3, workers.run_all, THREE, workdir, timeout_s=1500, pg_timeout_s=120))
 
 
 def _ok(result):
