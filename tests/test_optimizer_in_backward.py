@@ -468,7 +468,7 @@ def test_a_user_defined_optimizer_traced_into_the_step_graph_is_refused_with_the
         step(x, y)
 
 
-@pytest.mark.xfail(strict=True, reason="known silent wrong result (found 2026-11-28 by a fresh-eyes run, not fixed yet): "
+@pytest.mark.xfail(strict=True, reason="a known silent wrong result, not fixed yet (docs/optimizer_in_backward.md): "
                    "Inductor's post-grad mm + add -> addmm fusion puts the fused matmul at the add's place, after the "
                    "in-backward update of the weight it reads (the residual's input gradient g + g @ W reads W after "
                    "W's update: extern_kernels.addmm(..., arg2_1) runs after the fused update kernel writes arg2_1)")
