@@ -58,7 +58,7 @@ def _mark_backward(graph: torch.fx.Graph) -> None:
             node.meta["autograd_backward"] = True
 
 
-def draws_random_numbers(node: torch.fx.Node) -> bool:
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
     """An op whose recomputation would have to replay random numbers. torch tags every
     scaled-dot-product-attention kernel random (``nondeterministic_seeded``), also with
     ``dropout_p=0``, where it draws none: recomputed, it gives the same values."""
@@ -85,7 +85,7 @@ def rematerialize(graph: torch.fx.Graph) -> int:
     gm = graph.owning_module
     if gm is None or not has_recomputable_ops(gm) or not any(_is_backward(n) for n in graph.nodes):
         return 0
-    random = [n for n in graph.nodes if must_recompute(n) and draws_random_numbers(n)]
+    random = [n for n in graph.nodes if must_recompute(n) and _draws_random_numbers(n)]
     if random:
         raise OptpassError(_random_ops_message(random))
     cleanup_recompute_tags(gm, is_default_partition=True)

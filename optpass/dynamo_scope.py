@@ -67,10 +67,16 @@ def _is_optpass_backend(backend) -> bool:
     return False
 
 
+def _optpass_trace():
+    """The root instruction translator of the frame Dynamo is tracing on this thread for an optpass
+    backend, or None (no trace, or another backend's)."""
+    trace = _current_trace()
+    return trace if trace is not None and _is_optpass_backend(getattr(trace.output, "compiler_fn", None)) else None
+
+
 def optpass_compile_in_progress() -> bool:
     """Is Dynamo, on this thread, tracing a frame whose graph goes to an optpass backend?"""
-    trace = _current_trace()
-    return trace is not None and _is_optpass_backend(getattr(trace.output, "compiler_fn", None))
+    return _optpass_trace() is not None
 
 
 def _frame_holds_a_gradient_leaf(trace) -> bool:
@@ -110,8 +116,8 @@ class _OnlyForOptpassCompiles:
     backward() is remembered for the next graph optpass captures: ``take_declined_backward``)."""
 
     def __bool__(self) -> bool:
-        trace = _current_trace()
-        if trace is None or not _is_optpass_backend(getattr(trace.output, "compiler_fn", None)):
+        trace = _optpass_trace()
+        if trace is None:
             return False
         if _frame_holds_a_gradient_leaf(trace):
             return True

@@ -39,7 +39,7 @@ from optpass.passes import _row_chunks, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.checkpointed_regions import rematerialize, torch_remat_off
-from optpass.errors import OptpassError, user_line
+from optpass.errors import OptpassError
 from optpass.random_draws import draw_randn_like_in_one_op
 from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import FORWARD, GRADIENT_KEY, REGION_KEY, StepGraph

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -47,14 +48,6 @@ def device_mesh(group, device_type: str) -> DeviceMesh:
     return _MESHES[key]
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
-
-
 def as_dtensor(piece: torch.Tensor, spec) -> DTensor:
     """``piece`` (a shard's rows, or an elementwise optimizer state of it: ``spec.shard_shape``) as
     the parameter's DTensor; its local tensor is a view of ``piece``'s valid rows."""
@@ -64,7 +57,7 @@ def as_dtensor(piece: torch.Tensor, spec) -> DTensor:
         dist.broadcast(value, dist.get_global_rank(spec.group, 0), group=spec.group)
         return DTensor.from_local(value.reshape(()), mesh, [Replicate()], run_check=False)
     return DTensor.from_local(piece[:spec.valid], mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(spec.shape), stride=_contiguous_stride(spec.shape))
+                              shape=torch.Size(spec.shape), stride=make_contiguous_strides_for(spec.shape))
 
 
 def _split_as_the_shard(value: DTensor, spec) -> bool:
@@ -81,19 +74,20 @@ def as_shard(value, spec, name: str, like: torch.Tensor) -> torch.Tensor:
         OptpassError: ``value``'s shape is neither the parameter's nor the shard's.
     """
     if isinstance(value, DTensor):
-        rows = value.to_local() if _split_as_the_shard(value, spec) else None
-        if rows is None:
-            full = value.full_tensor()
-    elif tuple(value.shape) == tuple(spec.shape) or (not spec.shape and value.numel() == 1):
-        rows, full = None, value
-    elif tuple(value.shape) == tuple(spec.shard_shape):
+        if _split_as_the_shard(value, spec):
+            return _padded(value.to_local(), spec, like)
+        value = value.full_tensor()
+    if tuple(value.shape) == tuple(spec.shape) or (not spec.shape and value.numel() == 1):
+        full = value.detach().reshape(1) if not spec.shape else value.detach()
+        return _padded(full[spec.offset:spec.offset + spec.valid], spec, like)
+    if tuple(value.shape) == tuple(spec.shard_shape):
         return value.detach().to(dtype=like.dtype, device=like.device)
-    else:
-        raise OptpassError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the parameter's is "
-                           f"{tuple(spec.shape)} (this rank's shard: {tuple(spec.shard_shape)}).")
-    if rows is None:
-        full = full.detach().reshape(1, *full.shape[1:]) if not spec.shape else full.detach()
-        rows = full[spec.offset:spec.offset + spec.valid]
+    raise OptpassError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the parameter's is "
+                       f"{tuple(spec.shape)} (this rank's shard: {tuple(spec.shard_shape)}).")
+
+
+def _padded(rows: torch.Tensor, spec, like: torch.Tensor) -> torch.Tensor:
+    """This rank's valid rows, zero-padded to the shard's shape, in ``like``'s dtype and device."""
     out = torch.zeros(spec.shard_shape, dtype=like.dtype, device=like.device)
     out[:spec.valid].copy_(rows.reshape(spec.valid, *spec.shard_shape[1:]))
     return out
