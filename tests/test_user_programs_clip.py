@@ -85,7 +85,8 @@ class ClippingMegatronReference(ScaledMegatronReference):
     backward, its gradients cast to fp32 main gradients, clip_grad_norm_ over those, eager
     torch.optim on the fp32 masters, the masters rounded back into the model.
 
-    backward="inductor": the forward and backward compiled by plain Inductor (no optpass), whose bf16
+    backward="inductor": the forward and backward compiled by plain Inductor (no optpass) as one
+    graph (torch's trace_autograd_ops on for this compile, as optpass traces a step), whose bf16
     arithmetic is the compiled run's (fp32 inside a kernel, rounded once where eager rounds after
     every op: 40 bf16 ulps apart after one AdamW step of this MLP, without clipping too); clipping,
     the update and the copies stay eager."""
@@ -97,8 +98,13 @@ class ClippingMegatronReference(ScaledMegatronReference):
             loss = loss_fn(self.model, *batch)
             loss.backward()
             return loss.detach()
-        self.forward_backward = (forward_backward if backward == "eager"
-                                 else torch.compile(forward_backward, backend="inductor"))
+        if backward == "eager":
+            self.forward_backward = forward_backward
+        else:
+            # backward traced into the step's graph, as optpass traces it: plain Inductor otherwise
+            # compiles the forward and backward as separate partitions, which round differently
+            compiled = torch.compile(forward_backward, backend="inductor")
+            self.forward_backward = torch._dynamo.config.patch(trace_autograd_ops=True)(compiled)
 
     def step(self, *batch):
         loss = self.forward_backward(*batch)
