@@ -90,9 +90,23 @@ def _readers_of(param: torch.fx.Node) -> set[torch.fx.Node]:
     return readers
 
 
+# Inductor's post-grad patterns fuse an add of a matmul's result into the matmul (``addmm``, and
+# ``add(mm, mm)`` into one kernel), emitted where the add stood.
+_MATMULS = {aten.mm.default, aten.bmm.default}
+_FUSED_INTO_A_MATMUL = {aten.add.Tensor}
+
+
 def last_node_update_must_follow(position: dict, param: torch.fx.Node, gradient: torch.fx.Node) -> torch.fx.Node:
-    must_follow = {gradient} | {r for r in _readers_of(param) if r.op != "output"}
-    return max(must_follow, key=position.__getitem__)
+    """The node after which the in-place update of ``param`` may go: its gradient is final, every read
+    of its old value (views included) is done, and so is every add of a matmul that reads it.
+
+    The adds count because Inductor fuses one into the matmul and emits the fused op at the add's
+    place: ``add(mm(g, w), r)`` becomes ``addmm(r, g, w)`` where the ``add`` stood, so an update placed
+    between the ``mm`` and the ``add`` would be read by the fused matmul (a residual block's input
+    gradient ``g + g @ w``: the layers below it got a gradient made with the updated weight)."""
+    readers = {r for r in _readers_of(param) if r.op != "output"}
+    fused_adds = {u for r in readers if r.target in _MATMULS for u in r.users if u.target in _FUSED_INTO_A_MATMUL}
+    return max({gradient} | readers | fused_adds, key=position.__getitem__)
 
 
 def tensor_value(node) -> torch.Tensor | None:
