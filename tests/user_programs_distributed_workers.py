@@ -422,6 +422,93 @@ def checkpointed_blocks_under_fsdp(rank, world):
     return results
 
 
+def fsdp2_mixed_precision_policy(rank, world):
+    """FSDP2's MixedPrecisionPolicy (bf16 gathers and compute, fp32 reduce, fp32 shards and state) on a
+    small language model sharded per block with optpass.fully_shard, the update in backward, SGD (its
+    parameters follow the gradients linearly, so the bf16 arithmetic shows): relative difference from
+    torch's FSDP2 with the same policy, eagerly, and from the same model all in fp32 (FSDP2 without a
+    policy); an MLP taking float inputs, output_dtype fp32: the output's dtype and its difference from
+    FSDP2; the refused spellings (2-D mesh, CPU offload)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def language_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 32), nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)),
+                             nn.LayerNorm(32), nn.Linear(32, 64))
+
+    def tokens(i):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        return torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g)
+
+    def lm_loss(logits, y):
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def train(shard, policy, lower=None):
+        torch._dynamo.reset()
+        model = language_model()
+        shard(model[1], mesh=mesh, **policy)
+        shard(model, mesh=mesh, **policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = make_step(model, opt, lm_loss)
+        if lower:
+            step = torch.compile(step, backend="optpass", options={
+                "optimizer": opt, "optimizer_in_backward": True, "data_parallel": "fsdp", "lower": lower})
+        for i in range(4):
+            step(*tokens(i))
+        dtypes = {str(p.dtype) for p in model.parameters()}
+        with torch.no_grad():
+            gathered = str(model[3].weight.dtype)          # a read outside the step gathers it
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}, dtypes, gathered
+
+    def relative(a, b):
+        return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+    reference, _, _ = train(fsdp2_fully_shard, {"mp_policy": bf16})
+    fp32, _, _ = train(fsdp2_fully_shard, {})
+    results = {"fp32_vs_fsdp2": relative(fp32, reference)}
+    for lower in ("eager", "inductor"):
+        params, dtypes, gathered = train(optpass.fully_shard, {"mp_policy": bf16}, lower)
+        results[lower] = {"vs_fsdp2": relative(params, reference), "shard_dtypes": sorted(dtypes),
+                          "gathered": gathered}
+
+    # float inputs cast to bf16, outputs to fp32 (cast_forward_inputs, output_dtype)
+    outputs = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    for name, shard in (("fsdp2", fsdp2_fully_shard), ("optpass", optpass.fully_shard)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shard(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)), mesh=mesh, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = make_step(model, opt, F.mse_loss)
+        if name == "optpass":
+            step = torch.compile(step, backend="optpass", options={
+                "optimizer": opt, "optimizer_in_backward": True, "data_parallel": "fsdp", "lower": "eager"})
+        for i in range(3):
+            step(*batch(i, rank, world))
+        with torch.no_grad():
+            out = model(batch(0, rank, world)[0])
+        outputs[name] = ({k: v.full_tensor() for k, v in model.state_dict().items()}, str(out.dtype))
+    results["mlp"] = {"vs_fsdp2": relative(outputs["optpass"][0], outputs["fsdp2"][0]),
+                      "output_dtype": outputs["optpass"][1]}
+
+    refusals = {}
+    for name, kwargs in (("cpu_offload", {"offload_policy": CPUOffloadPolicy()}),
+                         ("mesh_2d", {"mesh": init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))}),
+                         ("not_a_policy", {"mp_policy": torch.bfloat16})):
+        try:
+            optpass.fully_shard(nn.Linear(2, 2), **kwargs)
+            refusals[name] = None
+        except optpass.OptpassError as error:
+            refusals[name] = str(error)
+    results["refusals"] = refusals
+    return results
+
+
 def _gathered(tensor):
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
-from optpass.fsdp import materialize, state_dict
+from optpass.fsdp import materialize, mixed_precision, state_dict
 from optpass.fsdp.gather import gather, rows_per_rank
 from optpass.process_groups import collective_group_name
 from optpass.zero1.agreement import agree
@@ -59,6 +59,10 @@ class ShardSpec:
             the block ``fully_shard`` was called on before the root, ``""`` for the root's other
             parameters when blocks were named; None: found from the name (a block of a ModuleList or
             Sequential, else the parameter's module).
+        param_dtype: the dtype it is gathered and computed in (a mixed-precision policy's); None:
+            the shard's own.
+        reduce_dtype: the dtype its gradient is reduced in (the policy's, else its param_dtype);
+            None: no policy (fp32 for a bf16/fp16 gradient, else the gradient's dtype).
     """
 
     name: str
@@ -72,6 +76,13 @@ class ShardSpec:
     group_name: str
     reshard_after_forward: bool
     unit: str | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @property
+    def gather_args(self) -> tuple:
+        """What the module's property passes to ``gather`` after the shard."""
+        return (self.rows, self.shape, self.world, self.group_name, self.param_dtype, self.reduce_dtype)
 
     @property
     def valid(self) -> int:
@@ -96,7 +107,7 @@ class ShardSpec:
 
 _SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()       # shard parameter -> ShardSpec
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()    # full parameter fully_shard replaced -> its name
-GATHER_ARGS = "_optpass_gather_args"      # on a sharded module: {name: (rows, shape, world, group name)}
+GATHER_ARGS = "_optpass_gather_args"      # on a sharded module: {name: ShardSpec.gather_args}
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -127,8 +138,8 @@ def sharded_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Para
     return [(name, p, _SPECS[p]) for name, p in module.named_parameters() if p in _SPECS]
 
 
-def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forward: bool = True
-                ) -> torch.nn.Module:
+def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forward: bool = True, *,
+                mesh=None, mp_policy=None, offload_policy=None) -> torch.nn.Module:
     """Shard every parameter of ``module`` over the ranks of a process group (ZeRO-3).
 
     Call it on every rank, after the model is built and before the optimizer: on the whole model,
@@ -153,12 +164,25 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         reshard_after_forward: True (FSDP2's default): backward gathers each parameter again, so
             no full parameter lives from forward to backward; False keeps the forward's gathered
             parameters for backward (more memory, one all-gather less per parameter).
+        mesh: FSDP2's spelling of the group: a 1-D ``DeviceMesh`` (its group is used). Give
+            ``process_group`` or ``mesh``, not both.
+        mp_policy: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``: the shards and the
+            optimizer's state stay in the parameters' dtype (fp32); each parameter is cast to
+            ``param_dtype`` before it is gathered (half the all-gather's bytes for bf16) and the model
+            computes in it; gradients are reduced in ``reduce_dtype`` (default: ``param_dtype``) and
+            reach the shards in their own dtype; floating-point inputs of this module's forward are
+            cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to ``output_dtype``
+            (when given). The policy of the call that sharded a parameter holds for it (a block's,
+            for the block's parameters).
+        offload_policy: FSDP2's ``OffloadPolicy()`` (no offload) is accepted; ``CPUOffloadPolicy``
+            is refused (shards stay on the parameters' device).
 
     Returns:
         ``module``, its parameters now shards.
 
     Raises:
-        OptpassError: torch.distributed is not initialized; ``fully_shard`` was called on this
+        OptpassError: torch.distributed is not initialized; a mesh of more than one dimension, both
+            ``process_group`` and ``mesh``, or CPU offload was asked for; ``fully_shard`` was called on this
             module already, or on a module around it before it; a block was sharded over another
             group or with another ``reshard_after_forward``; a weight is tied between a block
             sharded first and the rest of the model; the ranks hold different models (names,
@@ -167,7 +191,9 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
     if not (dist.is_available() and dist.is_initialized()):
         raise OptpassError("optpass.fully_shard needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) on every rank first.")
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = _group_of(process_group, mesh)
+    _refuse_offload(offload_policy)
+    param_dtype, reduce_dtype = mixed_precision.dtypes(mp_policy)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         materialize.remember_meta_buffers(module)
@@ -180,7 +206,8 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
     with torch.no_grad():
         for name, full in named:
             shards[id(full)] = _shard(full, name, group, world, rank, reshard_after_forward,
-                                      unit="" if blocks else None)
+                                      unit="" if blocks else None, param_dtype=param_dtype,
+                                      reduce_dtype=reduce_dtype)
         for buffer in module.buffers():
             if not buffer.is_meta:             # a meta buffer is made rank 0's after its initialization
                 dist.broadcast(buffer, dist.get_global_rank(group, 0), group=group)
@@ -193,7 +220,7 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
             _REPLACED[sub._parameters[n]] = _SPECS[shards[id(sub._parameters[n])]].name
             shard = sub._parameters[n] = shards[id(sub._parameters[n])]
             spec = _SPECS[shard]
-            gathering[n] = (spec.rows, spec.shape, spec.world, spec.group_name)
+            gathering[n] = spec.gather_args
         # plain values on the module, which Dynamo reads as constants (a WeakIdKeyDictionary lookup
         # in the property would break the graph)
         object.__setattr__(sub, GATHER_ARGS, gathering)
@@ -201,6 +228,7 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         # its state dict in FSDP2's language: DTensors over the group's mesh (optpass.fsdp.state_dict)
         state_dict.install_module_hooks(sub, _sharded_names, shard_spec, _loaded)
     object.__setattr__(module, SHARDED_HERE, True)
+    mixed_precision.cast_forward_inputs_and_outputs(module, mp_policy)
     state_dict.adopt_optimizers_at_their_first_step(shard_spec, _stepped_at_zero_lr)
     if not isinstance(module, _KeepsShardsThroughApply):
         module.__class__ = _keeping_shards_class(type(module))
@@ -255,7 +283,7 @@ class _KeepsShardsThroughApply:
                 group_name = collective_group_name(spec.group, shard.device.type)
                 if group_name != spec.group_name:
                     _SPECS[shard] = spec = dataclasses.replace(spec, group_name=group_name)
-                gathering[n] = (spec.rows, spec.shape, spec.world, spec.group_name)
+                gathering[n] = spec.gather_args
         return result
 
 
@@ -305,8 +333,29 @@ def _sharded_blocks(module: torch.nn.Module, group, reshard_after_forward: bool)
     return [q for q, _ in outermost]
 
 
+def _group_of(process_group, mesh):
+    """The process group to shard over: ``process_group``, a 1-D mesh's group, else the default group."""
+    if mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if process_group is not None:
+        raise OptpassError("optpass.fully_shard: give process_group or mesh, not both.")
+    if mesh.ndim != 1:
+        raise OptpassError(f"optpass.fully_shard: mesh has {mesh.ndim} dimensions ({mesh.mesh_dim_names or ''}); "
+                           "optpass shards over one group (FSDP, not HSDP or FSDP + tensor parallel): pass a 1-D "
+                           "mesh, e.g. init_device_mesh(device, (world_size,)), or its process group.")
+    return mesh.get_group()
+
+
+def _refuse_offload(offload_policy) -> None:
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise OptpassError(f"optpass.fully_shard: offload_policy={type(offload_policy).__name__}(...) is not "
+                           "supported: optpass keeps each rank's shards and optimizer state on the parameters' "
+                           "device. Leave offload_policy out.")
+
+
 def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_forward,
-           unit: str | None = None) -> torch.nn.Parameter:
+           unit: str | None = None, param_dtype: torch.dtype | None = None,
+           reduce_dtype: torch.dtype | None = None) -> torch.nn.Parameter:
     """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
     rank's rows of it as a new parameter: no copy of the whole parameter is made."""
     value = full.detach()
@@ -321,8 +370,11 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
         padding = rows_of.new_zeros(chunk - mine.shape[0], *rows_of.shape[1:])
         data, device_type = torch.cat([mine, padding]) if padding.shape[0] else mine.clone(), value.device.type
     shard = torch.nn.Parameter(data, requires_grad=full.requires_grad)
+    floating = value.is_floating_point()
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
-                              collective_group_name(group, device_type), reshard_after_forward, unit)
+                              collective_group_name(group, device_type), reshard_after_forward, unit,
+                              param_dtype if floating and param_dtype != value.dtype else None,
+                              reduce_dtype if floating else None)
     return shard
 
 
@@ -340,7 +392,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 def _gathering(name: str):
     def gathered(self):
         shard = self._parameters[name]
-        rows, shape, world, group_name = getattr(self, GATHER_ARGS)[name]
+        args = getattr(self, GATHER_ARGS)[name]
+        rows, shape, world = args[:3]
         if shard is None or tuple(shard.shape) != ((rows_per_rank(rows, world), *shape[1:]) if shape else (1,)):
             raise OptpassError(
                 f"{type(self).__name__}.{name} is not the shard optpass.fully_shard registered (its shape is "
@@ -351,6 +404,6 @@ def _gathering(name: str):
             raise OptpassError(materialize.meta_message(f"{type(self).__name__}.{name} is"))
         if not torch.compiler.is_compiling() and materialize.initializing(shard):
             return materialize.full_for_initialization(shard, _SPECS[shard])
-        return gather(shard, rows, shape, world, group_name)
+        return gather(shard, *args)
     gathered.__name__ = name
     return gathered

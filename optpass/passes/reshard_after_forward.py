@@ -3,10 +3,11 @@
 Precondition: a step graph compiled with ``data_parallel="fsdp"``, whose model ``optpass.fully_shard``
 sharded: forward reads each parameter through an all-gather of its shard (``all_gather_into_tensor``
 of a parameter placeholder, ``wait_tensor``, a slice and a view to the parameter's shape:
-``optpass/fsdp/gather.py``), and backward reads the gathered value again (a Linear's input
+``optpass/fsdp/gather.py``; under a mixed-precision policy the placeholder is first cast to the
+policy's ``param_dtype``), and backward reads the gathered value again (a Linear's input
 gradient multiplies by its weight).
 Rewrite: for each such gather whose parameter was sharded with ``reshard_after_forward=True``, a
-copy of the whole chain (the all-gather, its wait and the views) is put before the first backward
+copy of the whole chain (the cast, if any, the all-gather, its wait and the views) is put before the first backward
 node that reads it, and every backward read is pointed at the copy. Then, on every backend but
 gloo (``COALESCE_UNITS``), the gathers of one unit (``unit_of``: a block of a ModuleList/Sequential,
 ``model.layers.3``, else a parameter's module) that follow each other in forward, and again in
@@ -143,16 +144,27 @@ def run(step: StepGraph, options) -> str | None:
     return None
 
 
+# a shard cast to a mixed-precision policy's param_dtype before its all-gather
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def _cast_before_gather(start: torch.fx.Node) -> torch.fx.Node | None:
+    """The cast of the shard an all-gather sends (mixed precision), or None."""
+    source = start.args[0]
+    return source if isinstance(source, torch.fx.Node) and source.target in _CASTS else None
+
+
 def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]]:
     """(all_gather node, parameter name, ShardSpec) for each forward all-gather of a sharded
-    parameter's placeholder, in graph order."""
+    parameter's placeholder (or of its cast to the policy's param_dtype), in graph order."""
     tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
     by_placeholder = {node: name for name, node in step.param_nodes.items()}
     found = []
     for node in step.graph.nodes:
         if node.target is not _c10d.all_gather_into_tensor.default or step.region_of(node) != FORWARD:
             continue
-        name = by_placeholder.get(node.args[0])
+        cast = _cast_before_gather(node)
+        name = by_placeholder.get(cast.args[0] if cast is not None else node.args[0])
         spec = shard_spec(tensors.get(name)) if name is not None else None
         if spec is not None:
             found.append((node, name, spec))
@@ -259,7 +271,10 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
             hoisted(name)
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
         with step.graph.inserting_before(first):
-            mapping[start] = step.graph.node_copy(start)
+            cast = _cast_before_gather(start)
+            if cast is not None:                # backward casts its own copy: none lives from forward
+                mapping[cast] = step.graph.node_copy(cast)
+            mapping[start] = step.graph.node_copy(start, lambda n: mapping.get(n, n))
             for node in chain:
                 mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
         for node in mapping.values():
@@ -338,15 +353,18 @@ def _materialize_lookups(step: StepGraph, gathers, order: dict) -> list[str]:
 
 def _prefetch_one_ahead(step: StepGraph, starts) -> None:
     """Start each all-gather (in graph order) just before the previous one's first wait, where that
-    wait comes before it (its inputs are placeholders, so it may start anywhere; a coalesced one
-    takes its results' getitems along)."""
+    wait comes before it (its inputs are placeholders, or their casts to the policy's param_dtype,
+    which move along: it may start anywhere; a coalesced one takes its results' getitems along)."""
     order = {node: i for i, node in enumerate(step.graph.nodes)}
     starts = sorted(starts, key=lambda n: order[n])
     for previous, start in zip(starts, starts[1:]):
         wait = _first_wait(previous, order)
         if wait is not None and order[wait] < order[start]:
+            shards = start.args[0] if isinstance(start.args[0], (list, tuple)) else [start.args[0]]
+            casts = [c for c in shards if isinstance(c, torch.fx.Node) and c.target in _CASTS
+                     and order[c] > order[wait]]
             items = [u for u in start.users if u.target is operator.getitem]
-            for node in [start, *sorted(items, key=lambda n: order[n])]:
+            for node in [*sorted(casts, key=lambda n: order[n]), start, *sorted(items, key=lambda n: order[n])]:
                 wait.prepend(node)
 
 
