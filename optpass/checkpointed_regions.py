@@ -109,7 +109,7 @@ def rematerialize(graph: torch.fx.Graph) -> int:
         for dependency in needed(node):
             with graph.inserting_before(node):
                 copy = graph.node_copy(dependency, lambda x: recomputed.get(x, x))
-            copy.name = f"{dependency.name}_recomputed"
+            copy._rename(f"{dependency.name}_recomputed")     # through the namespace: later copies stay unique
             copy.meta["autograd_backward"] = True
             copy.meta.pop("recompute", None)
             recomputed[dependency] = copy
