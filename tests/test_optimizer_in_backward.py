@@ -542,3 +542,38 @@ def test_residual_blocks_with_bf16_master_weights_under_inductor_train_as_the_ea
 
     eager, inductor = train("eager"), train("inductor")
     assert ((inductor - eager).abs().max() / eager.abs().max()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_a_warmup_schedule_starting_at_lr_zero_leaves_no_nan(optimizer, lower):
+    """torch.optim's compiled (capturable) Adam divides by lr / bias_correction1; at lr = 0 (the first
+    step of transformers' get_linear_schedule_with_warmup) an entry with a zero gradient (an
+    embedding row the batch does not use) was 0/0. The fused update keeps the parameter at lr = 0, as
+    eager Adam does: no NaN, and the same parameters as eager over the schedule."""
+    def train(fused):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+        opt = optimizer(model.parameters(), lr=torch.tensor(1e-2))
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))      # 0, 0.5, 1, ...
+
+        def train_step(x, y):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+
+        step = torch.compile(train_step, backend="optpass", options={
+            "optimizer": opt, "optimizer_in_backward": True, "lower": lower}) if fused else train_step
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            step(torch.randint(0, 3, (5,), generator=g), torch.randint(0, 3, (5,), generator=g))
+            schedule.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    eager, fused = train(False), train(True)
+    assert not fused.isnan().any()
+    assert (fused - eager).abs().max() <= 1e-6

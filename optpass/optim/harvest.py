@@ -436,6 +436,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
                     writes[placeholder_of_desc[desc.mutated_input]] = value
                 elif type(desc).__name__ == "PlainAOTOutput" and desc.idx in output_roles:
                     created_outputs[output_roles[desc.idx]] = value
+    _keep_parameters_at_zero_lr(graph, writes, set(param_ph.values()), set(lr_ph.values()))
     # State the update creates becomes a write into a new input, like any other state.
     created: dict[tuple[str, str], CreatedState] = {}
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -468,6 +469,43 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
             sorted((n for n in nodes if n.op != "placeholder"), key=order.__getitem__), own_writes,
             {n: lr_group[n] for n in nodes if n in lr_group})
     return updates, created
+
+
+_DIVISIONS = {torch.ops.aten.div.Tensor, torch.ops.aten.reciprocal.default, torch.ops.prims.div.default}
+
+
+def _keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set, lrs: set) -> None:
+    """A parameter whose new value divides by something made from lr keeps its value at lr == 0.
+
+    torch.optim's capturable Adam and AdamW (the path a compiled step takes) write the update as
+    ``param + exp_avg / denom`` with ``denom = (sqrt(exp_avg_sq) / (bc2 * -step_size) + eps / -step_size)``
+    and ``step_size = lr / bias_correction1``: at lr = 0 an entry with a zero gradient is 0/0, NaN (a
+    warmup schedule's first step, lr = 0, turned a model's untouched embedding rows into NaN), where
+    the eager path multiplies the update by lr and leaves the parameter as it was. Where such a division
+    is found, the parameter's write becomes ``where(lr == 0, param, new value)``: the eager result at
+    lr = 0, the same value otherwise. State is left alone: its update does not read lr."""
+    for param in params & set(writes):
+        value = writes[param]
+        cone = _ancestors([value])
+        divisors = [d for n in cone if n.op == "call_function" and n.target in _DIVISIONS
+                    for d in [n.args[0] if n.target is torch.ops.aten.reciprocal.default else n.args[1]]
+                    if isinstance(d, torch.fx.Node)]
+        divided_by_lr = [lr for lr in lrs & cone if any(lr in _ancestors([d]) for d in divisors)]
+        if not divided_by_lr:
+            continue
+        lr = divided_by_lr[0]
+        with graph.inserting_after(value):
+            at_zero = graph.call_function(torch.ops.aten.eq.Scalar, (lr, 0))
+        with graph.inserting_after(at_zero):
+            kept = graph.call_function(torch.ops.aten.where.self, (at_zero, param, value))
+        with value.meta["val"].fake_mode:
+            at_zero.meta["val"] = torch.ops.aten.eq.Scalar(lr.meta["val"], 0)
+            kept.meta["val"] = torch.ops.aten.where.self(at_zero.meta["val"], param.meta["val"], value.meta["val"])
+        for user in list(value.users):
+            if user is not kept and user.op == "output" or (user.target is torch.ops.aten.copy_.default
+                                                           and user.args[0] is param):
+                user.replace_input_with(value, kept)
+        writes[param] = kept
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
