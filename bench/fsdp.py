@@ -9,7 +9,7 @@ other):
 * ``fsdp2``                  -- ``torch.distributed.fsdp.fully_shard`` on every unit and the root
   (``reshard_after_forward=True``) + ``torch.optim.AdamW``, eager (FSDP2's hooks graph-break
   under torch.compile: docs/design.md §38);
-* ``optpass-fsdp``           -- ``optpass.fully_shard(model)``, ``torch.compile(backend="optpass",
+* ``optpass-fsdp``           -- ``optpass.fully_shard`` on every unit and the root, ``torch.compile(backend="optpass",
   options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})`` (Inductor);
 * ``optpass-fsdp-after``     -- the same with the update after backward;
 * ``optpass-zero1``          -- the whole model on every rank, ``data_parallel="zero1"``, in backward;
@@ -48,6 +48,8 @@ Usage::
     python3 bench/fsdp.py --model llama    # a Llama of 8 layers, width 512
     python3 bench/fsdp.py --quick          # 8 x 256^2, 2 ranks
     python3 bench/fsdp.py --same-processes # every variant in the same processes (faster)
+    python3 bench/fsdp.py --model llama --depth 4 --vocab 32000 --worlds 2 --clip 1.0 \
+        --variants fsdp2 optpass-fsdp       # torchtitan's step: clip_grad_norm_ / clip_grad_norm 1.0
 """
 
 from __future__ import annotations
@@ -103,6 +105,21 @@ def loss_fn(args, model):
     if args.model == "llama":
         return lambda x, y: model(input_ids=x, labels=y).loss
     return lambda x, y: F.mse_loss(model(x), y)
+
+
+def clipped_training_step(loss_of, model, opt, max_norm: float):
+    """FSDP2's step with global-norm clipping (torch.nn.utils.clip_grad_norm_ over the DTensor gradients)."""
+    import torch
+
+    def train_step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    return train_step
 
 
 def tensor_bytes(tensors) -> int:
@@ -180,6 +197,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
         elif variant.startswith("optpass-fsdp"):
+            for unit in units:                      # FSDP2's calls: every unit, then the root
+                optpass.fully_shard(unit)
             optpass.fully_shard(model)
         gc.collect()
     resident = tensor_bytes(local(p) for p in model.parameters())
@@ -188,10 +207,13 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     with live.mark(f"{variant}/train"):
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
         if variant == "fsdp2":
-            step = training_step(loss_fn(args, model), opt)
+            step = (training_step(loss_fn(args, model), opt) if args.clip is None
+                    else clipped_training_step(loss_fn(args, model), model, opt, args.clip))
         else:
             options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
                        "optimizer_in_backward": variant != "optpass-fsdp-after"}
+            if args.clip is not None:
+                options["clip_grad_norm"] = args.clip
             if variant == "optpass-fsdp-bf16":
                 options["master_weights"] = torch.float32
             if variant == "optpass-fsdp-eager":
@@ -295,6 +317,8 @@ def main() -> None:
                         help="every variant in the same processes, one after the other (faster; the RSS "
                              "peak is then the process's, and a variant's step time can depend on the ones "
                              "before it: FSDP2's Llama step took 2.4x longer as the first of five)")
+    parser.add_argument("--clip", type=float, default=None,
+                        help="global-norm clipping: clip_grad_norm_ for fsdp2, options clip_grad_norm for optpass")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_rank_flags(parser)
@@ -310,7 +334,7 @@ def main() -> None:
     for world in args.worlds:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
-                            threads=args.threads)
+                            threads=args.threads, **({"clip": args.clip} if args.clip is not None else {}))
         if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
             runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
                     for v in args.variants]
