@@ -525,19 +525,11 @@ def test_residual_blocks_with_bf16_master_weights_under_inductor_train_as_the_ea
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), Residual(), Residual(), torch.nn.Linear(16, 1))
         model = model.to(torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-
-        def train_step(x):
-            loss = model(x).float().pow(2).mean()
-            loss.backward()
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
-
-        step = torch.compile(train_step, backend="optpass", options={
-            "optimizer": opt, "optimizer_in_backward": True, "master_weights": torch.float32, "lower": lower})
+        step = torch.compile(make_step(model, opt, lambda m, x, _: m(x).float().pow(2).mean()), backend="optpass",
+                             options={"optimizer": opt, "optimizer_in_backward": True,
+                                      "master_weights": torch.float32, "lower": lower})
         for i in range(3):
-            step(torch.randn(12, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16))
+            step(torch.randn(12, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16), None)
         return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
     eager, inductor = train("eager"), train("inductor")
@@ -557,15 +549,7 @@ def test_a_warmup_schedule_starting_at_lr_zero_leaves_no_nan(optimizer, lower):
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
         opt = optimizer(model.parameters(), lr=torch.tensor(1e-2))
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))      # 0, 0.5, 1, ...
-
-        def train_step(x, y):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
-
+        train_step = make_step(model, opt, lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
         step = torch.compile(train_step, backend="optpass", options={
             "optimizer": opt, "optimizer_in_backward": True, "lower": lower}) if fused else train_step
         for i in range(4):
