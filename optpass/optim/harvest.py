@@ -436,7 +436,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
                     writes[placeholder_of_desc[desc.mutated_input]] = value
                 elif type(desc).__name__ == "PlainAOTOutput" and desc.idx in output_roles:
                     created_outputs[output_roles[desc.idx]] = value
-    _keep_parameters_at_zero_lr(graph, writes, set(param_ph.values()), set(lr_ph.values()))
+    keep_parameters_at_zero_lr(graph, writes, set(param_ph.values()), set(lr_ph.values()))
     # State the update creates becomes a write into a new input, like any other state.
     created: dict[tuple[str, str], CreatedState] = {}
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -474,7 +474,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
 _DIVISIONS = {torch.ops.aten.div.Tensor, torch.ops.aten.reciprocal.default, torch.ops.prims.div.default}
 
 
-def _keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set, lrs: set) -> None:
+def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set, lrs: set) -> None:
     """A parameter whose new value divides by something made from lr keeps its value at lr == 0.
 
     torch.optim's capturable Adam and AdamW (the path a compiled step takes) write the update as

@@ -16,6 +16,7 @@ share is in ``_graph_utils.py`` and ``_row_chunks.py``). The pipeline, in order:
 | reshard_after_forward | reshard_after_forward.py | when asked    | no (the same shards gathered again) |
 | shard_optimizer       | shard_optimizer/       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
 | per_sample_grad_norm  | per_sample_grad_norm/  | yes           | no (rounding only) |
+| update_keeps_parameters_at_zero_lr | update_keeps_parameters_at_zero_lr.py | yes (an update graph) | no (the eager value at lr = 0, no NaN) |
 | eliminate_dead_code   | eliminate_dead_code.py   | yes           | no               |
 
 Legality (``optpass/legality.py``) is not a pass: it proves a requested rewrite legal on the
@@ -45,7 +46,8 @@ from optpass.capture import GraphKind
 from optpass.errors import OptpassError, node_user_line
 from optpass.passes import (accumulate_gradient_in_place, clip_grad_norm_in_backward, eliminate_dead_code,
                             logits_gradient_in_chunks, logits_gradient_in_place, loss_scaling, master_weights,
-                            optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer)
+                            optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer,
+                            update_keeps_parameters_at_zero_lr)
 
 log = logging.getLogger("optpass")
 
@@ -101,6 +103,9 @@ PASSES: tuple[GraphPass, ...] = (
     # DP-SGD: per-sample Linear gradients used only for norms and a clipped sum are never built.
     GraphPass("per_sample_grad_norm", per_sample_grad_norm.run,
               applies_to=(GraphKind.STEP, GraphKind.FORWARD, GraphKind.MODEL, GraphKind.OTHER)),
+    # opt.step() compiled on its own: a parameter whose update divides by lr keeps its value at lr == 0.
+    GraphPass("update_keeps_parameters_at_zero_lr", update_keeps_parameters_at_zero_lr.run,
+              applies_to=(GraphKind.UPDATE,)),
     # Drops values nothing reads; runs last so it cleans up after the rewrites above it.
     GraphPass("eliminate_dead_code", eliminate_dead_code.run,
               applies_to=(GraphKind.STEP, GraphKind.UPDATE, GraphKind.FORWARD, GraphKind.MODEL, GraphKind.OTHER)),
