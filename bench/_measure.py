@@ -309,12 +309,17 @@ def graph_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def training_step(loss_of, opt):
+def training_step(loss_of, opt, clip_parameters=None, max_norm: float | None = None):
     """The supported step shape around ``loss_of(x, y)``; a new closure each call (Dynamo guards
-    on a closure's contents, so two variants compiled in one process need one each)."""
+    on a closure's contents, so two variants compiled in one process need one each). With
+    ``max_norm``: ``clip_grad_norm_(clip_parameters, max_norm)`` between backward and the update."""
+    import torch
+
     def train_step(x, y):
         loss = loss_of(x, y)
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(clip_parameters, max_norm)
         out = loss.detach()
         opt.step()
         opt.zero_grad()

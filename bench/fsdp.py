@@ -107,21 +107,6 @@ def loss_fn(args, model):
     return lambda x, y: F.mse_loss(model(x), y)
 
 
-def clipped_training_step(loss_of, model, opt, max_norm: float):
-    """FSDP2's step with global-norm clipping (torch.nn.utils.clip_grad_norm_ over the DTensor gradients)."""
-    import torch
-
-    def train_step(x, y):
-        loss = loss_of(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return train_step
-
-
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -207,8 +192,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     with live.mark(f"{variant}/train"):
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
         if variant == "fsdp2":
-            step = (training_step(loss_fn(args, model), opt) if args.clip is None
-                    else clipped_training_step(loss_fn(args, model), model, opt, args.clip))
+            step = training_step(loss_fn(args, model), opt, list(model.parameters()), args.clip)
         else:
             options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
                        "optimizer_in_backward": variant != "optpass-fsdp-after"}
@@ -334,7 +318,7 @@ def main() -> None:
     for world in args.worlds:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
-                            threads=args.threads, **({"clip": args.clip} if args.clip is not None else {}))
+                            threads=args.threads, clip=args.clip)
         if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
             runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
                     for v in args.variants]
