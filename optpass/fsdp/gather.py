@@ -28,7 +28,7 @@ class _GatherShard(torch.autograd.Function):
                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         ctx.rows, ctx.world, ctx.group_name = rows, world, group_name
         ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
-        if param_dtype is not None and param_dtype != shard.dtype:
+        if param_dtype is not None:             # the spec's: set only where it differs from the shard's
             shard = shard.to(param_dtype)        # mixed precision: gathered (and computed) in param_dtype
         full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world, group_name))
         return full[:rows].view(shape)

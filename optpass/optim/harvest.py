@@ -1,6 +1,6 @@
 """Harvest an optimizer's update as an aten graph, from torch.optim's own code.
 
-The update math is never rewritten by optpass: ``torch.compile(opt.step)`` with
+The update math is torch.optim's (one guard aside, below): ``torch.compile(opt.step)`` with
 a backend that records the graph and runs nothing (docs/design.md §18) yields
 torch.optim's update for every parameter, and AOTAutograd turns it into a
 functional aten graph whose in-place writes are ``copy_`` into the parameter
@@ -12,6 +12,10 @@ be sliced) and a float ``lr`` becomes a 0-d tensor so that the update reads lr
 as an input (a scheduler can change it without a recompile); its products round
 as the float's do (``optim/float_lr.py``). Everything is restored afterwards;
 parameters are not touched by the no-op run.
+
+The one guard: a parameter whose new value divides by something made from lr (torch's compiled
+Adam, whose update is 0/0 at lr = 0) is written as ``where(lr == 0, param, new value)``, the eager
+result at lr = 0 (``keep_parameters_at_zero_lr``, docs/design.md §53).
 
 **The first update is harvested too.** torch.optim creates its state lazily,
 at the first ``step()``, in two ways, and the harvest keeps both torch.optim's own:
@@ -474,7 +478,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
 _DIVISIONS = {torch.ops.aten.div.Tensor, torch.ops.aten.reciprocal.default, torch.ops.prims.div.default}
 
 
-def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set, lrs: set) -> None:
+def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set, lrs: set) -> list[torch.fx.Node]:
     """A parameter whose new value divides by something made from lr keeps its value at lr == 0.
 
     torch.optim's capturable Adam and AdamW (the path a compiled step takes) write the update as
@@ -483,7 +487,10 @@ def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set,
     warmup schedule's first step, lr = 0, turned a model's untouched embedding rows into NaN), where
     the eager path multiplies the update by lr and leaves the parameter as it was. Where such a division
     is found, the parameter's write becomes ``where(lr == 0, param, new value)``: the eager result at
-    lr = 0, the same value otherwise. State is left alone: its update does not read lr."""
+    lr = 0, the same value otherwise. State is left alone: its update does not read lr.
+
+    Updates ``writes`` and the graph in place; returns the parameters whose write is now kept."""
+    kept_params = []
     for param in params & set(writes):
         value = writes[param]
         cone = _ancestors([value])
@@ -501,11 +508,12 @@ def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set,
         with value.meta["val"].fake_mode:
             at_zero.meta["val"] = torch.ops.aten.eq.Scalar(lr.meta["val"], 0)
             kept.meta["val"] = torch.ops.aten.where.self(at_zero.meta["val"], param.meta["val"], value.meta["val"])
-        for user in list(value.users):
-            if user is not kept and user.op == "output" or (user.target is torch.ops.aten.copy_.default
-                                                           and user.args[0] is param):
+        for user in list(value.users):        # the write: an output AOTAutograd copies back, or a copy_
+            if user.op == "output" or (user.target is torch.ops.aten.copy_.default and user.args[0] is param):
                 user.replace_input_with(value, kept)
         writes[param] = kept
+        kept_params.append(param)
+    return kept_params
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:

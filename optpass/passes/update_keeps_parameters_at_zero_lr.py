@@ -43,10 +43,8 @@ def run(step, options) -> str | None:
     params = set(step.param_nodes.values())
     writes = {node.args[0]: node.args[1] for node in step.graph.nodes
               if node.target is torch.ops.aten.copy_.default and node.args[0] in params}
-    before = len(step.graph.nodes)
-    keep_parameters_at_zero_lr(step.graph, writes, params, lrs)
-    kept = (len(step.graph.nodes) - before) // 2
+    kept = keep_parameters_at_zero_lr(step.graph, writes, params, lrs)
     if not kept:
         return "no parameter's update divides by lr"
-    step.notes.append(f"{kept} parameter(s) kept at lr == 0 (their update divides by lr)")
+    step.notes.append(f"{len(kept)} parameter(s) kept at lr == 0 (their update divides by lr)")
     return None
