@@ -17,7 +17,8 @@ PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimi
             "grad_scaler_on_rank_zero_only",
             # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
             "refusal_on_rank_one_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "checkpointed_blocks_under_fsdp", "fsdp2_mixed_precision_policy", "unused_head", "explain_a_zero1_step",
+            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "checkpointed_blocks_under_fsdp", "fsdp2_mixed_precision_policy",
+            "writes_into_parameters_outside_the_step", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
 
@@ -172,8 +173,9 @@ def test_a_rank_that_calls_the_step_once_more_is_told_the_others_stopped_calling
 
 def test_fsdp2s_mixed_precision_policy_trains_as_fsdp2_with_it(ranks):
     """fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, reduce fp32)): the shards stay fp32, a
-    parameter read is bf16; under the eager lowering every step equals torch's FSDP2 with the same
-    policy exactly (the same bf16 operations, in the same order); under Inductor's lowering (fp32
+    parameter read outside the forward is fp32 (FSDP2's are fp32 DTensors between forwards); under the
+    eager lowering every step equals torch's FSDP2 with the same policy (measured exactly: the same
+    bf16 operations in the same order; asserted within 1e-3, an eighth of the fp32 model's distance); under Inductor's lowering (fp32
     inside each fused kernel, rounded once, where eager rounds after every op) within 2e-2, the
     distance of the same model in fp32 from it being 7.9e-3 (measured 9.2e-3). A float-input MLP with
     output_dtype fp32: its output is fp32, its parameters FSDP2's (7.7e-8, the loss's rounding)."""
@@ -181,12 +183,34 @@ def test_fsdp2s_mixed_precision_policy_trains_as_fsdp2_with_it(ranks):
         got = result["fsdp2_mixed_precision_policy"]
         assert "error" not in got, got["error"][2] if "error" in got else got
         assert got["fp32_vs_fsdp2"] > 1e-3, got                   # the policy changes the numbers
-        assert got["eager"]["vs_fsdp2"] == 0.0, got
+        assert got["eager"]["vs_fsdp2"] <= 1e-3, got          # measured 0.0; the fp32 model is 7.9e-3 away
         assert got["inductor"]["vs_fsdp2"] <= 2e-2, got
         for lower in ("eager", "inductor"):
-            assert got[lower]["shard_dtypes"] == ["torch.float32"] and got[lower]["gathered"] == "torch.bfloat16", got
+            assert got[lower]["shard_dtypes"] == ["torch.float32"] and got[lower]["gathered"] == "torch.float32", got
         assert got["mlp"]["vs_fsdp2"] <= 1e-6 and got["mlp"]["output_dtype"] == "torch.float32", got
         refusals = got["refusals"]
         assert "CPUOffloadPolicy" in refusals["cpu_offload"], refusals
         assert "2 dimensions" in refusals["mesh_2d"] and "1-D" in refusals["mesh_2d"], refusals
         assert "MixedPrecisionPolicy" in refusals["not_a_policy"], refusals
+        assert "DTensors" in refusals["torch_fsdp2_blocks"] and "0.weight" in refusals["torch_fsdp2_blocks"], refusals
+
+
+def test_writes_into_parameters_outside_the_step_reach_every_ranks_shard(ranks):
+    """fill_, nn.init.ones_ and copy_ under no_grad on parameters read through the module after
+    training: the sharded state equals the state before with those writes applied, exactly, with a
+    bf16 MixedPrecisionPolicy too (the read is fp32 outside the forward, so 0.1 is written as fp32's
+    0.1); the next step trains on."""
+    for result in ranks:
+        got = result["writes_into_parameters_outside_the_step"]
+        assert "error" not in got, got["error"][2] if "error" in got else got
+        for policy in ("fp32", "bf16"):
+            assert got[policy]["max_diff"] == 0.0 and got[policy]["copy_diff"] == 0.0, got
+            assert got[policy]["read_dtype"] == "torch.float32" and got[policy]["trains_on"], got
+
+
+@pytest.mark.xfail(strict=True, reason="a write through .data, an index or a view of the read lands after "
+                   "the read died and is lost (docs/fsdp.md 'Not yet')")
+def test_a_write_through_data_and_an_index_of_a_read_reaches_the_shard(ranks):
+    for result in ranks:
+        got = result["writes_into_parameters_outside_the_step"]
+        assert got["fp32"]["chained_diff"] == 0.0 and got["bf16"]["chained_diff"] == 0.0, got

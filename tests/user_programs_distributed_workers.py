@@ -505,7 +505,58 @@ def fsdp2_mixed_precision_policy(rank, world):
             refusals[name] = None
         except optpass.OptpassError as error:
             refusals[name] = str(error)
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fsdp2_fully_shard(mixed[0], mesh=mesh)
+    try:
+        optpass.fully_shard(mixed, mesh=mesh)
+        refusals["torch_fsdp2_blocks"] = None
+    except optpass.OptpassError as error:
+        refusals["torch_fsdp2_blocks"] = str(error)
     results["refusals"] = refusals
+    return results
+
+
+def writes_into_parameters_outside_the_step(rank, world):
+    """After two fsdp steps, the writes a user makes into parameters under no_grad, through the
+    module (fill_, nn.init, copy_; and .data[i].zero_(), not yet taken), with and without a bf16 MixedPrecisionPolicy:
+    the full state dict afterwards against the one before with the same writes applied to it, and
+    the dtype a parameter read outside the forward has (fp32: FSDP2's parameters are fp32 between
+    forwards)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    results = {}
+    for name, policy in (("fp32", None), ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = optpass.fully_shard(nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 1)), mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass", options={
+            "optimizer": opt, "optimizer_in_backward": True, "data_parallel": "fsdp", "lower": "eager"})
+        for i in range(2):
+            step(*batch(i, rank, world))
+        expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        replacement = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6) / 7
+        with torch.no_grad():
+            model[2].bias.fill_(0.1)
+            torch.nn.init.ones_(model[2].weight)
+            model[0].bias.copy_(torch.linspace(-1, 1, 7))
+            read_dtype = str(model[0].weight.dtype)
+        expected["2.bias"].fill_(0.1)
+        expected["2.weight"].fill_(1.0)
+        expected["0.bias"].copy_(torch.linspace(-1, 1, 7))
+        got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model[0].weight.copy_(replacement)
+            after_copy = model.state_dict()["0.weight"].full_tensor()
+            model[0].weight.data[6].zero_()       # through .data and an index: the read dies first
+            chained = model.state_dict()["0.weight"].full_tensor()[6]
+        results[name] = {"max_diff": max((got[k] - expected[k]).abs().max().item() for k in expected),
+                         "read_dtype": read_dtype, "copy_diff": (after_copy - replacement).abs().max().item(),
+                         "chained_diff": chained.abs().max().item()}
+        step(*batch(2, rank, world))          # the next step trains from the written values
+        results[name]["trains_on"] = bool(torch.isfinite(model.state_dict()["0.weight"].full_tensor()).all())
     return results
 
 

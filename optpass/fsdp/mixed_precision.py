@@ -12,6 +12,11 @@ cast_forward_inputs)`` means, for FSDP2 and here alike:
   are cast to ``param_dtype`` (``cast_forward_inputs``, default True), its outputs to
   ``output_dtype`` when that is given.
 
+Outside a compiled step, a parameter read during the forward of a module sharded with a policy is
+gathered in ``param_dtype`` (the module computes in it, as in the step); read anywhere else
+(``model.head.weight`` to inspect or write it) it is gathered in the shard's own dtype, as FSDP2's
+parameters are fp32 DTensors between forwards.
+
 The casts of parameters and gradients live in ``optpass/fsdp/gather.py`` (inside the step's graph);
 the inputs' and outputs' are forward hooks on the module, which Dynamo traces into the step. This
 is a different program from the option ``master_weights`` (bf16 parameters beside fp32 masters,
@@ -62,10 +67,33 @@ def _cast_outputs(dtype, _module, _args, output):
     return _apply_to_tensors(functools.partial(_cast, dtype), output)
 
 
+_FORWARD_DEPTH = [0]       # forwards of modules sharded with a policy running eagerly, nested
+
+
+def in_forward() -> bool:
+    """Whether the eager forward of a module sharded with a policy is running: a parameter read now is
+    computed with, so it is gathered in the policy's ``param_dtype``."""
+    return _FORWARD_DEPTH[0] > 0
+
+
+def _enter_forward(_module, _args):
+    if not torch.compiler.is_compiling():
+        _FORWARD_DEPTH[0] += 1
+
+
+def _leave_forward(_module, _args, _output):
+    if not torch.compiler.is_compiling():
+        _FORWARD_DEPTH[0] = max(0, _FORWARD_DEPTH[0] - 1)
+
+
 def cast_forward_inputs_and_outputs(module: torch.nn.Module, policy) -> None:
-    """The policy's casts of ``module``'s forward inputs and outputs, as forward hooks."""
+    """The policy's casts of ``module``'s forward inputs and outputs, as forward hooks, and the hooks
+    that tell a parameter read in its eager forward from one outside it (``in_forward``)."""
     if policy is None:
         return
+    if policy.param_dtype is not None:
+        module.register_forward_pre_hook(_enter_forward)
+        module.register_forward_hook(_leave_forward, always_call=True)
     if policy.param_dtype is not None and policy.cast_forward_inputs:
         module.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
     if policy.output_dtype is not None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
-from optpass.fsdp import materialize, mixed_precision, state_dict
+from optpass.fsdp import materialize, mixed_precision, state_dict, write_through
 from optpass.fsdp.gather import gather, rows_per_rank
 from optpass.process_groups import collective_group_name
 from optpass.zero1.agreement import agree
@@ -185,7 +185,8 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
             ``process_group`` and ``mesh``, or CPU offload was asked for; ``fully_shard`` was called on this
             module already, or on a module around it before it; a block was sharded over another
             group or with another ``reshard_after_forward``; a weight is tied between a block
-            sharded first and the rest of the model; the ranks hold different models (names,
+            sharded first and the rest of the model; parameters are DTensors already (torch's
+            FSDP2 ``fully_shard`` or a tensor-parallel plan); the ranks hold different models (names,
             shapes or dtypes differ; every rank raises it).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -193,6 +194,7 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
                            "torch.distributed.init_process_group(...) on every rank first.")
     group = _group_of(process_group, mesh)
     _refuse_offload(offload_policy)
+    _refuse_dtensors(module)
     param_dtype, reduce_dtype = mixed_precision.dtypes(mp_policy)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -346,6 +348,21 @@ def _group_of(process_group, mesh):
     return mesh.get_group()
 
 
+def _refuse_dtensors(module: torch.nn.Module) -> None:
+    """Parameters that are DTensors were sharded by torch (FSDP2's ``fully_shard``, a tensor-parallel
+    plan): optpass shards plain tensors, and mixing the two has no defined gather."""
+    from torch.distributed.tensor import DTensor
+
+    named = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if named:
+        raise OptpassError(
+            f"optpass.fully_shard: {', '.join(named[:3])}{' and more' if len(named) > 3 else ''} are DTensors: "
+            "torch.distributed.fsdp.fully_shard or a tensor-parallel plan (parallelize_module) sharded them "
+            "already. optpass.fully_shard shards plain parameters: call optpass.fully_shard on each block and "
+            "then on the whole model (not torch's fully_shard on the blocks), or keep torch's FSDP2 for the "
+            "whole model. Tensor parallelism is not supported.")
+
+
 def _refuse_offload(offload_policy) -> None:
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise OptpassError(f"optpass.fully_shard: offload_policy={type(offload_policy).__name__}(...) is not "
@@ -404,6 +421,10 @@ def _gathering(name: str):
             raise OptpassError(materialize.meta_message(f"{type(self).__name__}.{name} is"))
         if not torch.compiler.is_compiling() and materialize.initializing(shard):
             return materialize.full_for_initialization(shard, _SPECS[shard])
-        return gather(shard, *args)
+        if torch.compiler.is_compiling():
+            return gather(shard, *args)
+        if args[4] is not None and not mixed_precision.in_forward():
+            args = (*args[:4], None, *args[5:])     # read outside a forward: the shard's dtype, as FSDP2's
+        return write_through.write_back_when_it_dies(gather(shard, *args), shard, _SPECS[shard])
     gathered.__name__ = name
     return gathered
