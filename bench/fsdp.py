@@ -9,6 +9,9 @@ other):
 * ``fsdp2``                  -- ``torch.distributed.fsdp.fully_shard`` on every unit and the root
   (``reshard_after_forward=True``) + ``torch.optim.AdamW``, eager (FSDP2's hooks graph-break
   under torch.compile: docs/design.md §38);
+* ``fsdp2-compile``          -- ``fsdp2`` with each unit compiled first (``unit.compile()``, Inductor),
+  torchtitan's order: compile each block, then ``fully_shard`` it (FSDP2's hooks stay outside the
+  compiled blocks);
 * ``optpass-fsdp``           -- ``optpass.fully_shard`` on every unit and the root, ``torch.compile(backend="optpass",
   options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})`` (Inductor);
 * ``optpass-fsdp-after``     -- the same with the update after backward;
@@ -64,7 +67,7 @@ import time
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo,
                       proc_status_kib, run_ranks, training_step, waited_per_step)
 
-VARIANTS = ("fsdp2", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16", "optpass-fsdp-eager")
+VARIANTS = ("fsdp2", "fsdp2-compile", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16", "optpass-fsdp-eager")
 
 
 def build(args):
@@ -173,12 +176,14 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             model.to(torch.bfloat16)
         full_params = sum(p.numel() for p in model.parameters())
         unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
-        if variant == "fsdp2":
+        if variant.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
             for unit in units:
+                if variant == "fsdp2-compile":
+                    unit.compile()
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
         elif variant.startswith("optpass-fsdp"):
@@ -191,7 +196,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     times = []
     with live.mark(f"{variant}/train"):
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
-        if variant == "fsdp2":
+        if variant.startswith("fsdp2"):
             step = training_step(loss_fn(args, model), opt, list(model.parameters()), args.clip)
         else:
             options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
@@ -278,6 +283,9 @@ def summarize(world: int, ranks: list[dict], args) -> dict:
         out["peak_vs_fsdp2"] = worst["optpass-fsdp"] / worst["fsdp2"]
         out["step_vs_fsdp2"] = step["optpass-fsdp"] / step["fsdp2"]
         out["budget_bytes"] = 12 * P / world + 3 * unit          # + activations, reported beside
+    if "fsdp2" in args.variants:
+        out["vs_fsdp2"] = {v: {"peak": worst[v] / worst["fsdp2"], "step": step[v] / step["fsdp2"]}
+                           for v in args.variants if v != "fsdp2"}
     if "optpass-fsdp-bf16" in args.variants:
         out["budget_bf16_bytes"] = 14 * P / world + 3 * unit / 2   # bf16 units
     return out
@@ -353,6 +361,9 @@ def main() -> None:
             print(f"ranks {s['world']}: optpass-fsdp / fsdp2: peak {s['peak_vs_fsdp2']:.3f} (goal <= 0.70), step time "
                   f"{s['step_vs_fsdp2']:.3f} (goal <= 1.00); 12/N bytes/param + 3 units = "
                   f"{s['budget_bytes'] / 2**20:.1f} MiB vs peak {s['worst_peak_bytes']['optpass-fsdp'] / 2**20:.1f} MiB")
+    for s in summaries:
+        for v, ratio in s.get("vs_fsdp2", {}).items():
+            print(f"ranks {s['world']}: {v} / fsdp2: peak {ratio['peak']:.3f}, step time {ratio['step']:.3f}")
     for s in summaries:
         if "budget_bf16_bytes" in s:
             print(f"ranks {s['world']}: optpass-fsdp-bf16 (bf16 parameters, fp32 master shards): 14/N bytes/param + 3 "

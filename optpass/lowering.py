@@ -40,6 +40,7 @@ from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.checkpointed_regions import rematerialize, torch_remat_off
 from optpass.errors import OptpassError
+from optpass.fsdp import write_through
 from optpass.random_draws import draw_randn_like_in_one_op
 from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import FORWARD, GRADIENT_KEY, REGION_KEY, StepGraph
@@ -103,7 +104,7 @@ def lower(gm, example_inputs, context, *, captured, options):
     rewrite_fn = functools.partial(rewrite, captured=captured, options=options, report=report,
                                    context=context)
     if options.lower == "eager":
-        return lower_eager(gm, example_inputs, rewrite_fn)
+        return _after_released_writes(lower_eager(gm, example_inputs, rewrite_fn), options)
     # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
     key = repr((options.digest(), captured.roles_digest(),
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items()),
@@ -118,7 +119,20 @@ def lower(gm, example_inputs, context, *, captured, options):
         pipeline_record.load_into(report)
     else:
         pipeline_record.save(report)
-    return compiled
+    return _after_released_writes(compiled, options)
+
+
+def _after_released_writes(compiled, options):
+    """Under fsdp, writes into parameters read outside the step reach the shards before the step reads
+    them (``optpass.fsdp.write_through``). Keeps the callable's calling convention (boxed or not)."""
+    if options.data_parallel != "fsdp":
+        return compiled
+    def run(*args):
+        write_through.before_compiled_run()
+        return compiled(*args)
+    if hasattr(compiled, "_boxed_call"):
+        run._boxed_call = compiled._boxed_call
+    return run
 
 
 class _PipelineRecord:

@@ -519,10 +519,11 @@ def fsdp2_mixed_precision_policy(rank, world):
 
 def writes_into_parameters_outside_the_step(rank, world):
     """After two fsdp steps, the writes a user makes into parameters under no_grad, through the
-    module (fill_, nn.init, copy_; and .data[i].zero_(), not yet taken), with and without a bf16 MixedPrecisionPolicy:
-    the full state dict afterwards against the one before with the same writes applied to it, and
-    the dtype a parameter read outside the forward has (fp32: FSDP2's parameters are fp32 between
-    forwards)."""
+    module (fill_, nn.init, copy_, .data[i].zero_(), an index, .detach()), with and without a bf16
+    MixedPrecisionPolicy: the full state dict afterwards against the one before with the same writes
+    applied to it; the dtype of a parameter read outside the forward (fp32: FSDP2's parameters are
+    fp32 between forwards); a read kept across a step (it must not put its stale values back), and
+    a write into it after the step (lost, with a warning)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     results = {}
@@ -537,26 +538,44 @@ def writes_into_parameters_outside_the_step(rank, world):
         for i in range(2):
             step(*batch(i, rank, world))
         expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-        replacement = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6) / 7
+        row = torch.linspace(-1, 1, 6)
         with torch.no_grad():
             model[2].bias.fill_(0.1)
             torch.nn.init.ones_(model[2].weight)
             model[0].bias.copy_(torch.linspace(-1, 1, 7))
+            model[0].weight.data[0].zero_()            # the read dies before these writes run
+            model[0].weight.data[6, 1] = 3.3
+            model[0].weight[5] = row
+            model[0].weight.detach()[4].fill_(0.5)
             read_dtype = str(model[0].weight.dtype)
-        expected["2.bias"].fill_(0.1)
-        expected["2.weight"].fill_(1.0)
-        expected["0.bias"].copy_(torch.linspace(-1, 1, 7))
+        for key, write in (("2.bias", lambda t: t.fill_(0.1)), ("2.weight", lambda t: t.fill_(1.0)),
+                           ("0.bias", lambda t: t.copy_(torch.linspace(-1, 1, 7))),
+                           ("0.weight", lambda t: (t[0].zero_(), t[6].__setitem__(1, 3.3), t[5].copy_(row),
+                                                   t[4].fill_(0.5)))):
+            write(expected[key])
         got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        result = {"max_diff": max((got[k] - expected[k]).abs().max().item() for k in expected),
+                  "read_dtype": read_dtype}
+
         with torch.no_grad():
-            model[0].weight.copy_(replacement)
-            after_copy = model.state_dict()["0.weight"].full_tensor()
-            model[0].weight.data[6].zero_()       # through .data and an index: the read dies first
-            chained = model.state_dict()["0.weight"].full_tensor()[6]
-        results[name] = {"max_diff": max((got[k] - expected[k]).abs().max().item() for k in expected),
-                         "read_dtype": read_dtype, "copy_diff": (after_copy - replacement).abs().max().item(),
-                         "chained_diff": chained.abs().max().item()}
-        step(*batch(2, rank, world))          # the next step trains from the written values
-        results[name]["trains_on"] = bool(torch.isfinite(model.state_dict()["0.weight"].full_tensor()).all())
+            kept = model[0].weight                     # held across a step, never written
+        step(*batch(2, rank, world))
+        trained = model.state_dict()["0.weight"].full_tensor().clone()
+        del kept
+        result["stale_read_put_back"] = bool((model.state_dict()["0.weight"].full_tensor() != trained).any())
+        with torch.no_grad():
+            kept = model[0].bias
+        step(*batch(3, rank, world))
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept.fill_(9.0)
+            del kept
+            model.state_dict()
+        result["stale_write_warned"] = [str(w.message) for w in caught if "optpass" in str(w.message)]
+        result["stale_write_applied"] = bool((model.state_dict()["0.bias"].full_tensor() == 9.0).any())
+        step(*batch(4, rank, world))          # trains on
+        result["trains_on"] = bool(torch.isfinite(model.state_dict()["0.weight"].full_tensor()).all())
+        results[name] = result
     return results
 
 

@@ -25,6 +25,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
+from optpass.fsdp import write_through
 from optpass.fsdp.shard import ShardSpec, shard_spec, sharded_parameters
 from optpass.zero1 import checkpoint as zero1_checkpoint
 
@@ -32,6 +33,7 @@ MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
 
 def _require_sharded(model) -> list:
+    write_through.write_back_released()      # writes into parameters read outside the step, first
     params = sharded_parameters(model)
     if not params:
         raise OptpassError(f"{type(model).__name__} has no parameters sharded by optpass.fully_shard: call "

@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
+from optpass.fsdp import write_through
 
 _MESHES: dict[tuple[int, str], DeviceMesh] = {}
 _ADOPTED: WeakIdKeyDictionary = WeakIdKeyDictionary()          # optimizer -> True
@@ -126,6 +127,8 @@ def install_module_hooks(module: torch.nn.Module, sharded_names, spec_of, on_loa
             on_loaded(shard)
         object.__setattr__(mod, "_optpass_loading", [])
 
+    module.register_state_dict_pre_hook(lambda *_: None if torch.compiler.is_compiling()
+                                        else write_through.write_back_released())
     module.register_state_dict_post_hook(to_dtensors)
     module.register_load_state_dict_pre_hook(to_shards)
     module.register_load_state_dict_post_hook(mark_loaded)
@@ -187,13 +190,16 @@ def adopt_optimizer(optimizer, spec_of, on_loaded=None) -> None:
 
 def adopt_optimizers_at_their_first_step(spec_of, on_loaded=None) -> None:
     """A global optimizer step pre-hook (registered once): an optimizer over shards is adopted at its
-    first eager step. Under Dynamo it is a no-op (nothing traced into another compile)."""
+    first eager step, and before every eager step the writes into parameters read outside the step
+    reach the shards (``write_through``). Under Dynamo it is a no-op (nothing traced into another
+    compile)."""
     if _GLOBAL_HOOK:
         return
 
     def adopt(optimizer, args, kwargs):
         if torch.compiler.is_compiling():
             return
+        write_through.write_back_released()      # an eager step: writes into released reads first
         adopt_optimizer(optimizer, spec_of, on_loaded)
 
     _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(adopt))
