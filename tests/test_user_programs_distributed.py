@@ -200,8 +200,10 @@ def test_writes_into_parameters_outside_the_step_reach_every_ranks_shard(ranks):
     index and a write through .detach(), under no_grad, on parameters read through the module after
     training: the sharded state equals the state before with those writes applied, exactly, with a
     bf16 MixedPrecisionPolicy too (the read is fp32 outside the forward, so 0.1 is written as fp32's
-    0.1). A read kept across a step puts nothing back when it is dropped; a write into it after the
-    step is lost with a warning that says how to write; the next step trains on."""
+    0.1). A write through a read still held is seen by a fresh read of the parameter and by the
+    forward, and a write through the fresh read is kept beside it. A read kept across a step puts
+    nothing back when it is dropped; a write into it after the step is lost with a warning that
+    says how to write; the next step trains on."""
     for result in ranks:
         got = result["writes_into_parameters_outside_the_step"]
         assert "error" not in got, got["error"][2] if "error" in got else got
@@ -209,5 +211,7 @@ def test_writes_into_parameters_outside_the_step_reach_every_ranks_shard(ranks):
             assert got[policy]["max_diff"] == 0.0, got
             assert got[policy]["read_dtype"] == "torch.float32" and got[policy]["trains_on"], got
             assert not got[policy]["stale_read_put_back"] and not got[policy]["stale_write_applied"], got
+            assert got[policy]["fresh_read_sees_held_write"] and got[policy]["both_writes_kept"], got
+            assert got[policy]["forward_sees_held_write"] <= (1e-6 if policy == "fp32" else 3e-2), got
             assert len(got[policy]["stale_write_warned"]) == 1, got
             assert "0.bias" in got[policy]["stale_write_warned"][0], got

@@ -557,6 +557,21 @@ def writes_into_parameters_outside_the_step(rank, world):
         result = {"max_diff": max((got[k] - expected[k]).abs().max().item() for k in expected),
                   "read_dtype": read_dtype}
 
+        with torch.no_grad():                          # writes through a read still held, then a fresh read
+            held = model[0].weight
+            held[2] = 5.0
+            result["fresh_read_sees_held_write"] = bool((model[0].weight[2] == 5.0).all())
+            model[0].weight[3] = 7.0
+            del held
+            both = model.state_dict()["0.weight"].full_tensor()
+            result["both_writes_kept"] = bool((both[2] == 5.0).all() and (both[3] == 7.0).all())
+            held = model[2].bias
+            held.fill_(0.5)
+            x = batch(0, rank, world)[0]
+            out = model(x)
+            expected_out = torch.tanh(x @ both.t() + model[0].bias) @ model[2].weight.t() + 0.5
+            result["forward_sees_held_write"] = (out.float() - expected_out.float()).abs().max().item()
+            del held, out
         with torch.no_grad():
             kept = model[0].weight                     # held across a step, never written
         step(*batch(2, rank, world))

@@ -33,7 +33,7 @@ MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
 
 def _require_sharded(model) -> list:
-    write_through.write_back_released()      # writes into parameters read outside the step, first
+    write_through.write_back_released(write_through.ALL)      # writes into parameters read outside the step
     params = sharded_parameters(model)
     if not params:
         raise OptpassError(f"{type(model).__name__} has no parameters sharded by optpass.fully_shard: call "

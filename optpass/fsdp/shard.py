@@ -425,7 +425,7 @@ def _gathering(name: str):
             return gather(shard, *args)
         if args[4] is not None and not mixed_precision.in_forward():
             args = (*args[:4], None, *args[5:])     # read outside a forward: the shard's dtype, as FSDP2's
-        write_through.write_back_released()        # earlier reads' writes first: this gather reads them
+        write_through.write_back_released(shard)   # earlier reads' writes first: this gather reads them
         version = shard._version
         return write_through.remember(gather(shard, *args), shard, _SPECS[shard], version)
     gathered.__name__ = name

@@ -128,7 +128,7 @@ def install_module_hooks(module: torch.nn.Module, sharded_names, spec_of, on_loa
         object.__setattr__(mod, "_optpass_loading", [])
 
     module.register_state_dict_pre_hook(lambda *_: None if torch.compiler.is_compiling()
-                                        else write_through.write_back_released())
+                                        else write_through.write_back_released(write_through.ALL))
     module.register_state_dict_post_hook(to_dtensors)
     module.register_load_state_dict_pre_hook(to_shards)
     module.register_load_state_dict_post_hook(mark_loaded)
@@ -199,7 +199,7 @@ def adopt_optimizers_at_their_first_step(spec_of, on_loaded=None) -> None:
     def adopt(optimizer, args, kwargs):
         if torch.compiler.is_compiling():
             return
-        write_through.write_back_released()      # an eager step: writes into released reads first
+        write_through.write_back_released(write_through.ALL)      # an eager step: what was written first
         adopt_optimizer(optimizer, spec_of, on_loaded)
 
     _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(adopt))

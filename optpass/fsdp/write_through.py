@@ -14,7 +14,8 @@ rows of it are compared with the shard and every element that differs is written
 left alone keeps its full-precision value). Every rank runs the same code, so each takes its own
 rows of the write, as with a DTensor. Released reads are written back before the next gather,
 before each compiled fsdp step or eager ``opt.step()``, and before a state dict or checkpoint is
-taken (``write_back_released``).
+taken (``write_back_released``); a read still held is written back too (and stays remembered)
+when its parameter is gathered again, before a compiled step, an eager step and a state dict.
 
 A read kept across a change of the shard (an eager write or load: its version counter moved; any
 compiled fsdp graph run, whose Inductor kernels write shards without moving it) is stale: it is dropped
@@ -40,6 +41,7 @@ class _Read:
     read_version: int               # the buffer's (shared with the read and its views, not .data)
     name: str
     compiled_runs: int              # compiled fsdp graphs run before the read (``_COMPILED_RUNS``)
+    stale: bool = False             # found stale while still held: never written back
 
 
 _PENDING: list[_Read] = []
@@ -61,36 +63,53 @@ def remember(full: torch.Tensor, shard: torch.Tensor, spec, shard_version: int) 
 
 
 def before_compiled_run() -> None:
-    """A compiled fsdp graph is about to run: released reads are written back first, and every read
-    still held becomes stale (the graph may update any shard)."""
-    write_back_released()
+    """A compiled fsdp graph is about to run: what was written through every read, released or
+    still held, reaches the shards first; then every read still held becomes stale (the graph may
+    update any shard)."""
+    write_back_released(ALL)
     _COMPILED_RUNS[0] += 1
 
 
-def write_back_released() -> None:
-    """Write back every remembered read that nothing references any more (see the module's doc)."""
+def write_back_released(held_of=None) -> None:
+    """Write back every remembered read that nothing references any more (see the module's doc), and
+    the reads still held of ``held_of`` (a shard about to be gathered again: a fresh read must see
+    what was written through a read still held) or, with ``ALL``, of every shard (a compiled step,
+    a state dict). A read still held stays remembered, for what is written into it later."""
     if not _PENDING:
         return
     kept = []
     for read in _PENDING:
-        if torch._C._storage_Use_Count(read.gathered.untyped_storage()._cdata) > _OWN_REFERENCES:
+        held = torch._C._storage_Use_Count(read.gathered.untyped_storage()._cdata) > _OWN_REFERENCES
+        if held and held_of is not ALL and read.shard is not held_of:
             kept.append(read)
-        else:
-            _write_back(read)
+            continue
+        current = _write_back(read, warn=not held)
+        if held:
+            if current:                     # in step with the shard again, from here on
+                read.shard_version, read.read_version = read.shard._version, read.gathered._version
+                read.compiled_runs = _COMPILED_RUNS[0]
+            else:
+                read.stale = True
+            kept.append(read)
     _PENDING[:] = kept
 
 
-def _write_back(read: _Read) -> None:
-    if read.shard._version != read.shard_version or read.compiled_runs != _COMPILED_RUNS[0]:
-        if read.gathered._version != read.read_version:
+ALL = object()       # ``write_back_released(ALL)``: the reads still held of every shard too
+
+
+def _write_back(read: _Read, warn: bool) -> bool:
+    """Write ``read``'s differing rows into its shard; False (nothing written) if it is stale."""
+    if read.stale or read.shard._version != read.shard_version or read.compiled_runs != _COMPILED_RUNS[0]:
+        if warn and read.gathered._version != read.read_version:
             warnings.warn(
                 f"optpass: a write into {read.name}, read through its module outside the step, was lost: the "
-                "parameter changed (a training step or a load) before the read was released. Write into a "
-                "parameter right where you read it (with torch.no_grad(): model.fc.weight.fill_(0)), not into a "
-                "read kept across a step.", stacklevel=2)
-        return
+                "parameter changed since it was read (a training step, a load, or a write through another "
+                "read of it) before the write reached it. Write into a parameter right where you read it "
+                "(with torch.no_grad(): model.fc.weight.fill_(0)), not into a read kept across a step.",
+                stacklevel=3)
+        return False
     if read.valid == 0:
-        return
+        return True
     shard = read.shard
     rows = read.gathered.reshape(-1, *shard.shape[1:]) if shard.dim() else read.gathered.reshape(-1)
     written, mine = rows[read.offset:read.offset + read.valid], shard[:read.valid]
@@ -102,4 +121,4 @@ def _write_back(read: _Read) -> None:
             changed = written != mine.to(written.dtype)
             if bool(changed.any()):
                 mine.copy_(torch.where(changed, written.to(mine.dtype), mine))
-    read.shard_version = shard._version           # (the entry is dropped; kept consistent all the same)
+    return True
