@@ -25,6 +25,7 @@ the update graph's gradients are linked to the step graph's outputs.
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import enum
 import inspect
@@ -226,6 +227,13 @@ def capture(gm: torch.fx.GraphModule) -> CapturedGraph:
         split_source_unread=bool(split and _source_unread(split)),
         skipped_recurrent=_skipped_recurrent(breaks),
     )
+    # the breaks of the model's code (Dynamo's counters; a graph before a break inside a nested call
+    # does not reach optpass as split) and of this graph, for a message about a forward broken off
+    _RECENT_BREAKS.extend((_first_lines(b), None) for b in breaks
+                          if not b.startswith((_BACKWARD_WITHOUT_LEAVES, _LEAKED_GRAD_FN)) and _TORCH_DIR not in b)
+    if split is not None and not common["split_reason"].startswith((OPTIMIZER_SPLIT, _BACKWARD_WITHOUT_LEAVES,
+                                                                      _LEAKED_GRAD_FN)):
+        _RECENT_BREAKS.append((common["split_reason"], common["split_line"]))
     if grad_calls:
         return _capture_step(placeholders, grad_calls, nodes, **common)
     if any(_is_grad_source(source_name(p)) and "param_groups" in (source_name(p) or "") for p in placeholders):
@@ -263,14 +271,22 @@ _BACKWARD_WITHOUT_LEAVES = "Unsupported Tensor.backward() call"
 
 def _forward_outside(declined) -> str:
     """What computed a loss outside the frame that calls its backward(): torch.distributed's wrappers
-    the frame reaches (their forward is never compiled into the step), else a graph break in the model."""
+    the frame reaches (their forward is never compiled into the step), else a graph break in the model
+    (the last one Dynamo met, with its reason and line, where one reached optpass)."""
     wrappers = declined.wrappers if declined is not None else ()
     if not wrappers:
-        return _AFTER_A_BREAK
+        if not _RECENT_BREAKS:
+            return _AFTER_A_BREAK
+        reason, line = _RECENT_BREAKS[-1]
+        return f"{_AFTER_A_BREAK} (the last: {reason}{f', at {line}' if line else ''})"
     return f"the forward of modules wrapped by {' and '.join(wrappers)}, which Dynamo does not compile into the step"
 
 
 _AFTER_A_BREAK = "the model's forward, broken off by a graph break inside it"
+# a break whose reason names a file of torch itself (a compiled function Dynamo met) is not the model's
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# the last graph breaks of the user's code (not torch.optim's, not at backward()) that reached optpass
+_RECENT_BREAKS: collections.deque = collections.deque(maxlen=4)
 
 
 OPTIMIZER_SPLIT = "optimizer.step()"
@@ -736,6 +752,10 @@ def _forward_outside_message(cause: str, where: str) -> str:
     if "DistributedDataParallel" in cause:
         fixes.append("compile the unwrapped model's step with options={'optimizer': opt, 'data_parallel': "
                      "'zero1', ...}: optpass averages the gradients inside the step's graph")
+    if "HOP: Unsafe side effect" in cause:
+        fixes.append("a checkpointed block (torch.utils.checkpoint, checkpoint_wrapper) writes state outside "
+                     "itself, which Dynamo cannot trace: a Hugging Face model's KV cache is that, turn it off "
+                     "for training with model.config.use_cache = False")
     if not fixes:
         fixes.append("make the model's forward compile (`torch._dynamo.explain(step)(*batch)` lists every "
                      "break and its reason)")

@@ -143,5 +143,37 @@ def test_a_graph_break_in_the_model_refuses_a_whole_step_rewrite_naming_it(shape
                          options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
     with pytest.raises(optpass.OptpassError, match=r"optimizer_in_backward needs backward\(\) inside the compiled "
                        rf"step\. The loss's backward\(\) at .*{step_file}.* broken off by a graph break "
-                       r"inside it.*torch._dynamo.explain"):
+                       r"inside it \(the last: Call to `torch._dynamo.graph_break\(\)`.*torch._dynamo.explain"):
+        step(torch.randn(4, 7), torch.randn(4, 5))
+
+
+class _CheckpointedBlockWithACache(nn.Module):
+    """A block run under torch.utils.checkpoint that writes outside itself, as a Hugging Face decoder
+    layer writes its KV cache when use_cache is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(7, 5)
+        self.cache = {}
+
+    def forward(self, x):
+        def block(x):
+            y = self.fc(x)
+            self.cache["last"] = y
+            return y
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+def test_a_checkpointed_block_that_writes_outside_itself_is_refused_naming_the_cache():
+    """Dynamo cannot trace a checkpointed region's write to outside state ("HOP: Unsafe side effect"):
+    the forward breaks off, and a whole-step rewrite is refused naming the cause and the
+    Hugging Face fix (use_cache = False)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CheckpointedBlockWithACache()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    make, _ = STEPS[sorted(STEPS)[0]]
+    step = torch.compile(make(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+    with pytest.raises(optpass.OptpassError, match=r"HOP: Unsafe side effect.*use_cache = False"):
         step(torch.randn(4, 7), torch.randn(4, 5))
