@@ -309,6 +309,30 @@ def test_gradient_accumulation_applies_the_update_every_k_micro_steps():
             assert params <= TOL and state <= TOL
 
 
+def test_an_lr_scheduler_after_an_accumulated_update_does_not_warn_it_ran_before_the_optimizer():
+    """With accumulation_steps, the K-th micro-step applies the update and the user never calls
+    opt.step(): a scheduler stepped after it must not warn that it ran before optimizer.step()."""
+    import warnings
+
+    twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(twin.compiled_opt, lambda s: min(1.0, (s + 1) / 4))
+
+    def micro_step(x, y):
+        loss = mlp_loss(twin.compiled_model, x, y) / 2
+        loss.backward()
+        return loss.detach()
+
+    micro = torch.compile(micro_step, backend="optpass", options={
+        "lower": "eager", "optimizer": twin.compiled_opt, "optimizer_in_backward": True, "accumulation_steps": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            micro(*mlp_data(i))
+            if i % 2:
+                scheduler.step()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_a_param_group_added_later_is_fused_and_matches_eager():
     """Fine-tuning: a frozen part is unfrozen and given to the optimizer with add_param_group."""
     twin = Twin(MLP, lambda m: torch.optim.AdamW(list(m.parameters())[2:], lr=1e-2))

@@ -186,6 +186,9 @@ class FusedStep:
                                 zip(self.fused.values(), self.fused_slots)}
                 return outputs
             session.micro_steps, session.left = 0, {}      # this call applies the update: .grad None after
+            # the optimizer steps here without opt.step() being called: tell an LR scheduler, as torch's
+            # wrapper of opt.step() does (else its first step() warns it ran before the optimizer's)
+            self.optimizer._opt_called = True
         else:
             check_gradients_cleared(self.captured.backward_line, self.feature if self.options.optimizer_in_backward
                                     else "the update in the step graph", self.fused)
