@@ -419,10 +419,10 @@ def _gathering(name: str):
                 f"optpass.load_full_state_dict(model, {{...}}).")
         if shard.device.type == "meta":
             raise OptpassError(materialize.meta_message(f"{type(self).__name__}.{name} is"))
-        if not torch.compiler.is_compiling() and materialize.initializing(shard):
-            return materialize.full_for_initialization(shard, _SPECS[shard])
         if torch.compiler.is_compiling():
             return gather(shard, *args)
+        if materialize.initializing(shard):
+            return materialize.full_for_initialization(shard, _SPECS[shard])
         if args[4] is not None and not mixed_precision.in_forward():
             args = (*args[:4], None, *args[5:])     # read outside a forward: the shard's dtype, as FSDP2's
         write_through.write_back_released(shard)   # earlier reads' writes first: this gather reads them

@@ -387,8 +387,11 @@ def _defer_reduce_scatter_waits(step: StepGraph) -> None:
     one. Its input (the full gradient) lives that much longer; only later, never earlier: a shard's
     update still follows every read of the shard."""
     starts = [n for n in step.graph.nodes if n.target is _c10d.reduce_scatter_tensor.default]
+    # numbered once: a node moved lands just before ``following``, still before every later start,
+    # and never among a later wait's users (they come after that wait), so the numbers stay right
+    # for every comparison below
+    order = {node: i for i, node in enumerate(step.graph.nodes)}
     for start, following in zip(starts, starts[1:]):
-        order = {node: i for i, node in enumerate(step.graph.nodes)}
         waits = [u for u in start.users if u.target is _c10d.wait_tensor.default]
         if len(waits) != 1 or order[waits[0]] > order[following]:
             continue
