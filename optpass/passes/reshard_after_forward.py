@@ -25,8 +25,8 @@ threads, two collectives in flight with an all-gather among them corrupt the pro
 Each reduce-scatter's wait (``DEFER_REDUCE_SCATTER_WAITS``) moves down to just before the next
 reduce-scatter starts, with what reads its result (the division by the ranks, the shard's update
 in backward): the gradient is reduced while backward makes the next one, where a wait right after
-its start stalled backward on every gradient (on a 4-layer Llama, 2 gloo ranks: 1055 -> 756 ms a
-step blocked in waits, step time -5%, the same peak; ``bench/fsdp.py``; docs/design.md §55).
+its start stalled backward on every gradient (on a 4-layer Llama, 2 gloo ranks, two runs back to
+back: 999 -> 756 ms a step blocked in waits, step time -5%, the same peak; ``bench/fsdp.py``; docs/design.md §55).
 Backward's first read of each regathered parameter moves up to just after its other inputs
 (``HOIST_FIRST_READER``): backward may make a weight's gradient before its input's gradient from
 the same output gradient (a bias-free head's does), and the parameter gathered again for the input
