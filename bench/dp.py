@@ -143,6 +143,40 @@ def build_cnn(args):
     return nn.Sequential(*layers, nn.Flatten(start_dim=1, end_dim=-1), nn.Linear(128, CLASSES, bias=True))
 
 
+def build_vision(args):
+    """``--model resnet``: optpass.demo.vision.SmallResNet (GroupNorm, 3x3 convolutions and strided 1x1
+    shortcuts); ``--model vit``: TinyViT (4x4 patches by a strided Conv2d, 2 blocks, width 64); ``--model mlp``:
+    a 256-256-256-10 MLP on 256 features. Images 3x32x32, 10 classes."""
+    import torch
+    import torch.nn as nn
+
+    from optpass.demo.vision import SmallResNet, TinyViT
+
+    torch.manual_seed(0)
+    if args.model == "mlp":
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
+    widths = tuple(int(w) for w in args.widths.split(","))
+    return SmallResNet(CLASSES, widths) if args.model == "resnet" else TinyViT(CLASSES)
+
+
+# the per-sample norm as the docs, Opacus's clip_and_accumulate and torch.linalg write it (--norm)
+NORMS = {
+    "docs": lambda gs: torch_stack([g.flatten(1).pow(2).sum(1) for g in gs]).sum(0).sqrt(),
+    "opacus": lambda gs: torch_stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in gs], dim=1).norm(2, dim=1),
+    "vector_norm": lambda gs: vector_norm(torch_stack([vector_norm(g.flatten(1), dim=1) for g in gs], dim=1), dim=1),
+}
+
+
+def torch_stack(tensors, dim=0):
+    import torch
+    return torch.stack(tensors, dim=dim)
+
+
+def vector_norm(tensor, dim):
+    import torch
+    return torch.linalg.vector_norm(tensor, dim=dim)
+
+
 def opacus_norms(model, x, y, vocab):
     """Opacus's per-sample gradient norms (hooks, GradSampleModule) of the DP step's loss at ``model``'s
     parameters, on a copy of the model."""
@@ -177,7 +211,7 @@ def make_nonprivate_step(model, opt, vocab, noise_batch=None):
     return step
 
 
-def make_vmap_dp_step(model, opt, vocab, batch):
+def make_vmap_dp_step(model, opt, vocab, batch, norm="docs"):
     import torch
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
@@ -189,7 +223,7 @@ def make_vmap_dp_step(model, opt, vocab, batch):
     def clipped_noisy_gradients(x, y):
         params = {k: v.detach() for k, v in model.named_parameters()}
         per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
-        norms = torch.stack([g.reshape(batch, -1).pow(2).sum(1) for g in per_sample.values()]).sum(0).sqrt()
+        norms = NORMS[norm](list(per_sample.values()))
         coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
         for name, p in model.named_parameters():
             p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
@@ -218,7 +252,7 @@ def interleaved_optpass_inductor(args, model, batches, vocab, info) -> None:
     for backend in ("inductor", "optpass"):
         replica = copy.deepcopy(model)
         opt = torch.optim.SGD(replica.parameters(), lr=LR)
-        steps[backend] = torch.compile(make_vmap_dp_step(replica, opt, vocab, args.batch), backend=backend)
+        steps[backend] = torch.compile(make_vmap_dp_step(replica, opt, vocab, args.batch, args.norm), backend=backend)
     for i in range(args.warmup):
         for step in steps.values():
             step(*batches[i % len(batches)])
@@ -244,9 +278,10 @@ def child(args) -> None:
     live = CPUTensorBytes()
     live.load()
     g = torch.Generator().manual_seed(1)
-    if args.model == "cnn":
-        model, cfg = build_cnn(args), argparse.Namespace(vocab=CLASSES)
-        batches = [(torch.randn(args.batch, 3, 32, 32, generator=g),
+    if args.model in ("cnn", "resnet", "vit", "mlp"):
+        model = build_cnn(args) if args.model == "cnn" else build_vision(args)
+        cfg = argparse.Namespace(vocab=CLASSES)
+        batches = [(torch.randn(args.batch, *((256,) if args.model == "mlp" else (3, 32, 32)), generator=g),
                     torch.randint(0, CLASSES, (args.batch,), generator=g)) for _ in range(4)]
     else:
         model, cfg = build_model(args)
@@ -270,7 +305,8 @@ def child(args) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         backend = "inductor" if variant == "vmap-inductor" else "optpass"
         options = {"dp_materialize": args.dp_materialize} if backend == "optpass" else None
-        step = torch.compile(make_vmap_dp_step(model, opt, cfg.vocab, args.batch), backend=backend, options=options)
+        step = torch.compile(make_vmap_dp_step(model, opt, cfg.vocab, args.batch, args.norm), backend=backend,
+                             options=options)
     elif variant == "opacus-hooks":
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
@@ -361,7 +397,8 @@ def run_variant(args, variant: str, t: int) -> dict:
     """One child; a failure or a timeout comes back as its status (the table goes on without it)."""
     cmd = child_command(__file__, child=variant, t=t, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, vocab=args.vocab, batch=args.batch, threads=args.threads,
-                        warmup=args.warmup, steps=args.steps, model=args.model, dp_materialize=args.dp_materialize)
+                        warmup=args.warmup, steps=args.steps, model=args.model, dp_materialize=args.dp_materialize,
+                        norm=args.norm, widths=args.widths)
     with empty_cache_dir("dp") as cache:
         env = child_env(args.threads, cache, MALLOC_MMAP_THRESHOLD_=args.malloc_mmap_threshold or None,
                         TRITON_CACHE_DIR=os.path.join(cache, "triton"))
@@ -394,7 +431,7 @@ def fmt_mb(b):
 def print_table(t: int, results: dict[str, dict]) -> dict:
     base = results.get("nonprivate", {})
     ok_base = base.get("status") == "ok"
-    print(f"\n=== {f'T = {t}' if t else 'CNN'} ===")
+    print(f"\n=== {f'T = {t}' if t else 'one batch shape'} ===")
     print(f"{'variant':16s}{'step ms':>10s}{'x time':>8s}{'live MB':>9s}{'x live':>8s}{'VmHWM MB':>10s}{'x mem':>7s}"
           f"{'HWM-pre':>9s}{'maxrss MB':>11s}{'wall s':>8s}  notes")
     for v in VARIANTS:
@@ -453,8 +490,12 @@ def print_table(t: int, results: dict[str, dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="lm", choices=("lm", "cnn"),
-                   help="lm: DPLM (the default); cnn: Opacus's CIFAR-10 CNN on 3x32x32 images (no --T)")
+    p.add_argument("--norm", default="docs", choices=tuple(NORMS),
+                   help="how the DP step spells the per-sample norm: docs/dp_sgd.md's, Opacus's, torch.linalg's")
+    p.add_argument("--model", default="lm", choices=("lm", "cnn", "resnet", "vit", "mlp"),
+                   help="lm: DPLM (the default); cnn: Opacus's CIFAR-10 CNN on 3x32x32 images; resnet, vit: "
+                        "optpass.demo.vision's SmallResNet and TinyViT on 3x32x32; mlp: 256-256-256-10 (no --T)")
+    p.add_argument("--widths", default="64,128,256", help="--model resnet: the three stages' widths")
     p.add_argument("--interleaved", action="store_true",
                    help="only optpass against plain Inductor, both in one process, one step of each in turn")
     p.add_argument("--repeat", type=int, default=1,
@@ -491,10 +532,12 @@ def main() -> None:
         return
 
     ts = [int(t) for t in (args.T or ("16,64" if args.quick else "16,128,512")).split(",")]
-    if args.model == "cnn":
-        ts = [0]    # one table; the CNN has no sequence length
+    if args.model != "lm":
+        ts = [0]    # one table; the vision models and the MLP have no sequence length
     variants = [v for v in args.variants.split(",") if v]
-    model = ("Opacus's CIFAR-10 CNN (3x32x32)" if args.model == "cnn" else
+    model = ({"cnn": "Opacus's CIFAR-10 CNN (3x32x32)", "resnet": f"SmallResNet widths {args.widths}, GroupNorm (3x32x32)",
+              "vit": "TinyViT, 4x4 patches, 2 blocks of width 64 (3x32x32)",
+              "mlp": "MLP 256-256-256-10"}[args.model] if args.model != "lm" else
              f"DPLM d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} vocab={args.vocab} "
              f"(positions as nn.Embedding, untied head)")
     print(f"{model}, B={args.batch}, SGD, C={MAX_GRAD_NORM}, "
@@ -506,11 +549,11 @@ def main() -> None:
             runs = [run_variant(args, "interleaved", t) for _ in range(args.repeat)]
             ok = [r for r in runs if r["status"] == "ok"]
             for r in runs:
-                print(f"  {f'T={t}' if t else 'CNN'}: " + (f"optpass {r['step_s']['optpass'] * 1e3:.1f} ms, inductor "
+                print(f"  {f'T={t}' if t else args.model}: " + (f"optpass {r['step_s']['optpass'] * 1e3:.1f} ms, inductor "
                       f"{r['step_s']['inductor'] * 1e3:.1f} ms, median pair ratio {r['pair_ratio']:.3f}"
                       if r["status"] == "ok" else f"{r['status']} {r.get('error', '')[-300:]}"), flush=True)
             if ok:
-                print(f"  {f'T={t}' if t else 'CNN'}: optpass / vmap-inductor time, median over {len(ok)} runs: "
+                print(f"  {f'T={t}' if t else args.model}: optpass / vmap-inductor time, median over {len(ok)} runs: "
                       f"{statistics.median(r['pair_ratio'] for r in ok):.3f} (goal <= 1.00)")
             all_results[t] = runs
         print_json({"interleaved": {str(t): [r.get("pair_ratio") for r in rs] for t, rs in all_results.items()}},

@@ -26,7 +26,7 @@ _LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.
          "fully_shard": "optpass.fsdp.shard", "RanksSeededDifferentlyWarning": "optpass.fsdp.materialize", "full_state_dict": "optpass.fsdp.checkpoint",
          "load_full_state_dict": "optpass.fsdp.checkpoint",
          "optimizer_state_dict": "optpass.zero1.checkpoint",
-         "pad_batch": "optpass.dpsgd", "bucket_size": "optpass.dpsgd",
+         "pad_batch": "optpass.dpsgd", "DPSGDModelWarning": "optpass.dp_model_checks", "bucket_size": "optpass.dpsgd",
          "master_weights": "optpass.precision.masters", "skipped_steps": "optpass.precision.grad_scaler",
          "grad_norm": "optpass.runtime.grad_norm"}
 
@@ -44,7 +44,7 @@ __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
     "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "RecurrentLayerFallbackWarning", "OptimizerStepInLoopWarning", "GradientsNeverClearedWarning",
-    "RanksSeededDifferentlyWarning",
+    "RanksSeededDifferentlyWarning", "DPSGDModelWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",
     "save_sharded_checkpoint", "load_sharded_checkpoint", "optimizer_state_dict", "pad_batch", "bucket_size",
     "master_weights", "skipped_steps", "grad_norm", "fully_shard", "full_state_dict", "load_full_state_dict",

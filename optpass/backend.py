@@ -19,6 +19,7 @@ from optpass import lowering
 from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_capture, ignore_logging_calls,
                              module_buffers, warn_backward_outside, warn_if_update_recompiles,
                              warn_optimizer_step_in_loop, warn_recurrent_fallback)
+from optpass.dp_model_checks import refuse_batch_norm_in_vmaps, warn_frozen_parameters_differentiated
 from optpass.dpsgd import note_pad_batch_on_empty_vmaps
 from optpass.dynamo_scope import mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
@@ -44,6 +45,8 @@ from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signa
 enable_backward_capture()
 # Dynamo's error for a vmap over an empty batch (before any graph reaches optpass) names pad_batch.
 note_pad_batch_on_empty_vmaps()
+# A BatchNorm under torch.func fails while Dynamo traces: for an optpass compile, an OptpassError naming it.
+refuse_batch_norm_in_vmaps()
 
 
 @mark_optpass_backend
@@ -100,11 +103,14 @@ def _compile(gm, example_inputs, options, mode):
     ignore_logging_calls()
     # torch._dynamo.reset() drops Dynamo's callbacks: the one that names pad_batch comes back here.
     note_pad_batch_on_empty_vmaps()
+    refuse_batch_norm_in_vmaps()
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.
     if captured.kind is GraphKind.FORWARD and options.warn_on_graph_break:
         warn_backward_outside(captured)
+    # A DP-SGD step that differentiates frozen parameters (Opacus clips the trainable ones): say so, naming them.
+    warn_frozen_parameters_differentiated(captured)
     # An nn.LSTM inside vmap(grad): Dynamo skipped the DP step around it, which ran eagerly: say so, with the fix.
     if captured.skipped_recurrent is not None and options.warn_on_graph_break:
         warn_recurrent_fallback(captured)

@@ -169,6 +169,8 @@ class _PipelineRecord:
         except (OSError, ValueError):
             return
         report.passes = [passes.PassOutcome(**p) for p in data["passes"]]
+        for outcome in report.passes:
+            passes.warn_outcome(outcome)             # what the pipeline warned when it ran
         report.regions = data["regions"]
         report.aten_ops_before, report.aten_ops_after = data["aten_ops_before"], data["aten_ops_after"]
 

@@ -60,6 +60,8 @@ class StepGraph:
         context: what the backend hands to passes for this compile (e.g. the harvested
             optimizer update).
         notes: what passes want a reader to know beyond applied/skipped (explain shows them).
+        warnings: (warning category, message) pairs a pass wants the user to hear at compile; the
+            pipeline warns them, and again when Inductor's cache serves the graph.
         skip_update: a 0-d bool value: when true, every update write keeps its target's old
             value (loss scaling's found_inf: the step is skipped); set by the loss_scaling pass,
             read by ``write_update``. None: no guard.
@@ -76,6 +78,7 @@ class StepGraph:
     context: dict = dataclasses.field(default_factory=dict)
     # What passes want a reader to know beyond applied/skipped (explain shows them).
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[tuple[type, str]] = dataclasses.field(default_factory=list)
     # A 0-d bool value: when true, every update write keeps its target's old value (loss scaling's
     # found_inf: the step is skipped). Set by the loss_scaling pass, read by write_update.
     skip_update: torch.fx.Node | None = None

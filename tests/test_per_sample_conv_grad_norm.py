@@ -72,7 +72,14 @@ def conv3d():
                          nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, CLASSES))
 
 
-MODELS = {"cnn": (cnn, (3, 8, 8)), "strided-grouped": (strided_grouped_cnn, (4, 9, 10)),
+def pointwise_cnn():
+    """1x1 convolutions as ResNet shortcuts and MobileNet's pointwise layers use them: plain, strided and
+    grouped, and a kernel with one side 1."""
+    return nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 1, stride=2, groups=2), nn.Tanh(),
+                         nn.Conv2d(8, 6, (1, 3), padding=(0, 1)), nn.ReLU(), nn.Flatten(), nn.LazyLinear(CLASSES))
+
+
+MODELS = {"cnn": (cnn, (3, 8, 8)), "pointwise": (pointwise_cnn, (3, 6, 6)), "strided-grouped": (strided_grouped_cnn, (4, 9, 10)),
           "conv1d": (_Conv1dNet, (4, 12)), "conv3d": (conv3d, (2, 4, 6, 6))}
 
 
@@ -123,7 +130,7 @@ def test_convolution_dp_step_equals_the_original_without_per_sample_conv_gradien
     assert len(norm_ops) == convolutions
 
 
-@pytest.mark.parametrize("name", ["cnn", "strided-grouped"])
+@pytest.mark.parametrize("name", ["cnn", "strided-grouped", "pointwise"])
 @pytest.mark.parametrize("materialize", ["never", "auto"])
 def test_convolution_norms_and_training_equal_opacus(name, materialize):
     """Per-sample norms (1e-5) and parameters equal Opacus's GradSampleModule + DPOptimizer over

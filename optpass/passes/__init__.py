@@ -43,7 +43,8 @@ import torch
 import torch.fx
 
 from optpass.capture import GraphKind
-from optpass.errors import OptpassError, node_user_line
+from optpass.dp_model_checks import DPSGDModelWarning
+from optpass.errors import OptpassError, node_user_line, warn_at_user_line
 from optpass.passes import (accumulate_gradient_in_place, clip_grad_norm_in_backward, eliminate_dead_code,
                             logits_gradient_in_chunks, logits_gradient_in_place, loss_scaling, master_weights,
                             optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer,
@@ -123,6 +124,8 @@ class PassOutcome:
         ops_before: call nodes in the graph before the pass.
         ops_after: call nodes after it.
         notes: what the pass wants a reader to know beyond applied/skipped.
+        warnings: (category name, message) of the warnings it gave at compile (``warn_outcome``
+            gives them again when Inductor's cache serves the graph and the pass does not run).
     """
 
     name: str
@@ -131,6 +134,7 @@ class PassOutcome:
     ops_before: int
     ops_after: int
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def op_delta(self) -> int:
@@ -168,13 +172,25 @@ def run_pipeline(step, options) -> list[PassOutcome]:
         reason = graph_pass.run(step, options)
         after = count_ops(step.graph)
         status = "applied" if reason is None else "skipped"
-        outcome = PassOutcome(graph_pass.name, status, reason, before, after, list(step.notes))
+        outcome = PassOutcome(graph_pass.name, status, reason, before, after, list(step.notes),
+                              [(category.__name__, message) for category, message in step.warnings])
         step.notes.clear()
+        step.warnings.clear()
+        warn_outcome(outcome)
         _trace_graph(f"optpass_after_{graph_pass.name}", step.graph)
         check_well_formed(step.graph, graph_pass)
         log.info("optpass %s graph %s: %s", step.kind.value, step.captured.compile_id, outcome)
         outcomes.append(outcome)
     return outcomes
+
+
+_WARNING_CATEGORIES = {DPSGDModelWarning.__name__: DPSGDModelWarning}
+
+
+def warn_outcome(outcome: PassOutcome) -> None:
+    """Give the warnings a pass recorded in ``outcome``, at the user's line."""
+    for category, message in outcome.warnings:
+        warn_at_user_line(message, _WARNING_CATEGORIES.get(category, UserWarning))
 
 
 def check_well_formed(graph: torch.fx.Graph, graph_pass: GraphPass) -> None:

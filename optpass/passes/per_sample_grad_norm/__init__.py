@@ -118,13 +118,16 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from optpass.dp_model_checks import DPSGDModelWarning, differentiated_parameters, refuse_batch_norm_nodes
 from optpass.kernels import conv_norm, embedding_norm, per_sample_norm
 from optpass.passes.per_sample_grad_norm.candidate import _Candidate, _contiguous, _shape
 from optpass.passes.per_sample_grad_norm.labels import _classify, _labelled_uses, _sum_feeds_dp_uses
 from optpass.passes.per_sample_grad_norm.linear import (_is_outer_product_over_tokens, _linear_candidate, _outermost_sums)
 from optpass.passes.per_sample_grad_norm.conv import _conv_candidate
 from optpass.passes.per_sample_grad_norm.embedding import _embedding_candidate
-from optpass.passes.per_sample_grad_norm.weights import differentiated_parameters, parameter_of
+from optpass.passes.per_sample_grad_norm.spellings import (WORKING_SPELLINGS, paired_squared_norm,
+                                                           split_concatenated_norms)
+from optpass.passes.per_sample_grad_norm.weights import contracted_parameters, parameter_of
 
 aten = torch.ops.aten
 
@@ -143,6 +146,13 @@ def run(step, options) -> str | None:
             candidate = _embedding_candidate(step, node) or _conv_candidate(step, node, options.dp_materialize)
         if candidate is not None:
             candidates.append(candidate)
+    if candidates:
+        refuse_batch_norm_nodes(step)            # a DP-SGD graph: no batch statistics
+    # a norm over a torch.cat / torch.stack of per-sample gradients: the sum of each one's squared norm
+    changed = split_concatenated_norms(step, {
+        user: None for candidate in candidates for user, _, labels, _ in _labelled_uses(
+            candidate.root, candidate.labels, candidate.size_of, candidate.through)
+        if user.target in (aten.cat.default, aten.stack.default) and labels and labels[0] == ("b",)})
     # A weight used k times (a tied embedding and output head, a layer applied twice or more): its
     # per-sample gradient is a chain of adds, rewritten as one over all uses' tokens.
     in_sums = set()
@@ -164,10 +174,12 @@ def run(step, options) -> str | None:
     if per_sample:
         names.note_the_others()
     step.notes.extend(names.lines())
+    names.warn()
+    if changed or rewritten:
+        graph.eliminate_dead_code()
     if not rewritten:
         return "; ".join(step.notes) or ("no per-sample weight gradient (Linear bmm of Gᵀ and X, "
                                          "Embedding scatter) used for norms")
-    graph.eliminate_dead_code()
     return None
 
 
@@ -186,9 +198,10 @@ class _Names:
                 self.by_shape.setdefault(tuple(p.tensor.shape), []).append(p.name)
         self.frozen = {p.name for p in step.captured.params if p.tensor is not None and not p.tensor.requires_grad}
         self.shapes = {p.name: tuple(p.tensor.shape) for p in step.captured.params if p.tensor is not None}
-        self.differentiated = differentiated_parameters(step)
+        self.differentiated = differentiated_parameters(step.captured)
         self.named: set[str] = set()
         self.counts: dict[str, int] = {}          # line -> how many per-sample gradients it stands for
+        self.materialized: list[str] = []         # weights whose [B, *shape] per-sample gradient stays, and why
 
     def note(self, candidate: _Candidate, why_not: str | None) -> None:
         """One per-sample gradient's line: its weight and whether it was rewritten, or why not."""
@@ -215,6 +228,8 @@ class _Names:
                    if why_not is None else why_not)
         line = f"{layer}: {outcome}"
         self.counts[line] = self.counts.get(line, 0) + 1
+        if why_not is not None and "kept materialized (dp_materialize='auto')" not in why_not:
+            self.materialized.append(f"{layer}: {why_not}")
 
     def note_the_others(self) -> None:
         """The differentiated parameters no candidate stands for, each named once, grouped by module:
@@ -230,12 +245,26 @@ class _Names:
                         "each per-sample gradient is a [B, C] sum over tokens or positions of tensors the backward "
                         "holds anyway; there is nothing smaller to compute"] = 1
         tables = [name for name in others if name not in vectors]
+        contracted = contracted_parameters(self.step)
+        self.materialized.extend(f"{name} {list(self.shapes[name])}: no rewrite for this layer (e.g. a transposed "
+                                 "convolution)" for name in tables if name in contracted)
         if tables:
             shapes = ", ".join(f"{name} {list(self.shapes[name])}" for name in tables)
             self.counts[f"materialized, not rewritten ({len(tables)}): {shapes}: not a Linear, Embedding or "
                         "Conv1d/2d/3d weight whose per-sample gradient is used only for norms and a clipped sum "
                         "(e.g. a position table's slice, a transposed convolution): its [B, *shape] per-sample "
                         "gradient stays in the graph"] = 1
+
+    def warn(self) -> None:
+        """The weights whose per-sample gradient stays materialized for want of a rewrite, warned once per
+        compile (``optpass.DPSGDModelWarning``, given by the pipeline, and again on a cache hit); the
+        frozen parameters a step differentiates are warned by ``dp_model_checks`` at every compile."""
+        if self.materialized:
+            hint = f" ({WORKING_SPELLINGS})"
+            entries = [entry.replace(hint, "") for entry in self.materialized]
+            self.step.warnings.append((DPSGDModelWarning,
+                "optpass: per-sample gradients left materialized ([B, *shape] each, as without optpass): "
+                + "; ".join(entries) + (f".{hint}" if any(hint in entry for entry in self.materialized) else "")))
 
     def lines(self) -> list[str]:
         """The notes, a line that stands for k same-shape per-sample gradients saying so once."""
@@ -270,7 +299,8 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
     """Rewrite one per-sample gradient's norm and clipped-sum uses; '' if it is no DP pattern,
     a reason if it is one that cannot be rewritten, None when done."""
     reads = _labelled_uses(candidate.root, candidate.labels, candidate.size_of, candidate.through)
-    uses = [(user, state, _classify(user, value, labels)) for user, value, labels, state in reads]
+    uses = _paired(reads, [(user, state, _classify(user, value, labels, candidate.size_of))
+                           for user, value, labels, state in reads], candidate.size_of)
     if not any(kind for _, _, kind in uses):
         shared = next((user for user, _, labels, _ in reads
                        if _sum_feeds_dp_uses(user, labels, candidate.size_of)), None)
@@ -285,19 +315,27 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
     if other is not None:
         return (f"{candidate.what} is also used by {other.name} ({other.target}); only its squared "
                 "norm and a coefficient-weighted sum over the batch can be computed without "
-                "materializing it")
+                f"materializing it ({WORKING_SPELLINGS})")
     if candidate.keep:
         return f"{candidate.what}: {candidate.keep}"
 
     graph, emit = step.graph, step.emit
+    done = set()
     for _, state, kind in uses:
+        if kind[0] == "paired" or kind[1] in done:
+            continue
+        done.add(kind[1])
         if kind[0] == "norm":
-            total = kind[1]
-            with graph.inserting_before(total):
+            _, consumer, root = kind
+            with graph.inserting_before(consumer):
                 norm = candidate.norm(state)
-                if norm.meta["val"].dtype != total.meta["val"].dtype:
-                    norm = emit(aten._to_copy.default, norm, dtype=total.meta["val"].dtype)
-            total.replace_all_uses_with(norm)
+                if root:
+                    norm = emit(aten.sqrt.default, norm)
+                if _shape(norm) != _shape(consumer):
+                    norm = emit(aten.view.default, norm, _shape(consumer))
+                if norm.meta["val"].dtype != consumer.meta["val"].dtype:
+                    norm = emit(aten._to_copy.default, norm, dtype=consumer.meta["val"].dtype)
+            consumer.replace_all_uses_with(norm)
         else:
             _, result, coef, layout = kind
             with graph.inserting_before(result):
@@ -310,3 +348,24 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
                 new = emit(aten.view.default, weight, _shape(result))
             result.replace_all_uses_with(new)
     return None
+
+
+def _paired(reads, uses, size_of):
+    """``uses`` with each user that reads two views of the per-sample gradient as one square
+    (``spellings.paired_squared_norm``: ``g.flatten(1) * g.flatten(1)``, einsum's self dot product)
+    classified: the first read as the norm, the second as ("paired",)."""
+    by_user: dict[torch.fx.Node, list] = {}
+    for (user, value, labels, _), (_, _, kind) in zip(reads, uses):
+        if kind is None:
+            by_user.setdefault(user, []).append((value, labels))
+    paired = {}
+    for user, values in by_user.items():
+        kind = paired_squared_norm(user, values, size_of, lambda node, labels: _labelled_uses(node, labels, size_of))
+        if kind is not None:
+            paired[user] = kind
+    result = []
+    for user, state, kind in uses:
+        if user in paired and kind is None:
+            kind, paired[user] = paired[user], ("paired",)
+        result.append((user, state, kind))
+    return result

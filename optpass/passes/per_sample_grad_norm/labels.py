@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from optpass.passes.per_sample_grad_norm.candidate import _shape, Labels
+from optpass.passes.per_sample_grad_norm.spellings import squared_norm_use
 
 aten = torch.ops.aten
 
@@ -24,7 +25,7 @@ def _regroup(labels: Labels, shape: list[int], size_of: dict[str, int]) -> Label
     """Labels after a view/reshape to `shape`: merge or keep atomic labels, never split one."""
     atoms = [a for group in labels for a in group]
     result, index = [], 0
-    for size in shape:
+    for position, size in enumerate(shape):
         group, product = [], 1
         while product < size and index < len(atoms):
             group.append(atoms[index])
@@ -32,6 +33,12 @@ def _regroup(labels: Labels, shape: list[int], size_of: dict[str, int]) -> Label
             index += 1
         if product != size:
             return None
+        # atoms of size 1 (a 1x1 kernel's) after a full group join it, unless a size-1 dimension comes next
+        # to take them; at the last dimension every one left joins it
+        if size != 1 and (position + 1 == len(shape) or shape[position + 1] != 1):
+            while index < len(atoms) and size_of[atoms[index]] == 1:
+                group.append(atoms[index])
+                index += 1
         result.append(tuple(group))
     return result if index == len(atoms) else None
 
@@ -90,25 +97,17 @@ def _sum_feeds_dp_uses(user: torch.fx.Node, labels: Labels, size_of) -> bool:
     if user.target is not aten.add.Tensor or len(user.args) != 2 or not all(
             isinstance(a, torch.fx.Node) and _shape(a) == _shape(user) for a in user.args):
         return False
-    return any(_classify(u, value, lab) for u, value, lab, _ in _labelled_uses(user, labels, size_of))
+    return any(_classify(u, value, lab, size_of) for u, value, lab, _ in _labelled_uses(user, labels, size_of))
 
 
-def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels):
-    """('norm', sum node) | ('sum', result node, coef node, order of the weight's atoms) | None."""
-    # squared norm: pow(v, 2) or mul(v, v), then a sum over every dim but b
-    if (user.target is aten.pow.Tensor_Scalar and user.args[1] == 2) or (
-            user.target is aten.mul.Tensor and user.args[0] is value and user.args[1] is value):
-        if len(user.users) != 1:
-            return None
-        total = next(iter(user.users))
-        if total.target is aten.sum.dim_IntList and not (total.args[2:] and total.args[2]) \
-                and not total.kwargs.get("keepdim", False):
-            batch_dims = [d for d, group in enumerate(labels) if "b" in group]
-            if len(batch_dims) == 1 and labels[batch_dims[0]] == ("b",):
-                reduced = {d % len(labels) for d in total.args[1]}
-                if reduced == set(range(len(labels))) - set(batch_dims):
-                    return ("norm", total)
-        return None
+def _classify(user: torch.fx.Node, value: torch.fx.Node, labels: Labels, size_of):
+    """('norm', consumer, root) | ('sum', result node, coef node, order of the weight's atoms) | None.
+    A norm is any spelling ``spellings.squared_norm_use`` reads; ``root``: the consumer is the norm,
+    not its square."""
+    norm = squared_norm_use(user, value, labels, size_of,
+                            lambda node, node_labels: _labelled_uses(node, node_labels, size_of))
+    if norm is not None:
+        return norm
     # clipped sum: bmm(coef [1, 1, B], v [1, B, r·c]) contracting b
     if user.target is aten.bmm.default and user.args[1] is value and len(labels) == 3 \
             and labels[0] == () and labels[1] == ("b",) and _weight_atoms(labels[2]):

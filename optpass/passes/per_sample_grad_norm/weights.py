@@ -8,9 +8,7 @@ torch.func.grad differentiates, both read off the dataflow (docs/design.md §21:
 * An Embedding use: the ids index the forward ``embedding(W, ids)``.
 * A convolution use: its output gradient meets W in the input's gradient ``convolution_backward(g, x, W)``
   (every layer but the first); its input x meets W in the forward ``convolution(x, W)``.
-* Differentiated: the parameters that reach ``torch.func.grad``'s ``_autograd_grad`` in the Dynamo
-  graph (through ``detach`` and functorch's wrapping), so that a parameter that does not require grad
-  but is differentiated (and clipped, and given a ``.grad``) can be named.
+(Which parameters ``torch.func.grad`` differentiates: ``optpass.dp_model_checks.differentiated_parameters``.)
 """
 
 from __future__ import annotations
@@ -56,6 +54,21 @@ def parameter_of(step, uses: tuple[tuple[str, torch.fx.Node, torch.fx.Node | Non
     return found.pop() if len(found) == 1 else None
 
 
+_CONTRACTIONS = _MATMULS | {aten.convolution.default, aten.embedding.default, aten.linear.default,
+                             aten.baddbmm.default, aten.einsum.default}
+
+
+def contracted_parameters(step) -> set[str]:
+    """The parameters some view of which a matmul, convolution or embedding reads: those whose per-sample
+    gradient is a sum over tokens or positions of outer products, which can be far larger than the
+    activations (an elementwise scale's, a position table's, is no larger than what backward holds)."""
+    found = set()
+    for name, node in step.param_nodes.items():
+        if any(user.target in _CONTRACTIONS for view in _views(node) for user in view.users):
+            found.add(name)
+    return found
+
+
 def _weights_beside(activation: torch.fx.Node | None, by_node) -> set[str]:
     """The parameters a matmul multiplies some view of ``activation`` with."""
     if activation is None:
@@ -96,33 +109,3 @@ def _views(node: torch.fx.Node) -> set[torch.fx.Node]:
         seen.add(current)
         stack.extend(u for u in current.users if u.target in _LAYOUT and u.args[0] is current and u not in seen)
     return seen
-
-
-def differentiated_parameters(step) -> list[str] | None:
-    """The parameters that ``torch.func.grad`` differentiates in this step (Dynamo's
-    ``_autograd_grad`` inputs, traced back through functorch's wrapping and ``detach``), in
-    parameter order; None where the Dynamo graph is not at hand or has no such call."""
-    gm = step.captured.gm
-    if gm is None:
-        return None
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_node = {placeholders[p.input_index]: p.name for p in step.captured.params if p.input_index is not None}
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"
-             and getattr(n.target, "__name__", "") == "_autograd_grad" and len(n.args) >= 2]
-    if not calls:
-        return None
-    found = set()
-    for call in calls:
-        for node in call.args[1] if isinstance(call.args[1], (list, tuple)) else ():
-            while isinstance(node, torch.fx.Node) and node not in by_node and node.args \
-                    and _unwraps(node):
-                node = node.args[0]
-            if node in by_node:
-                found.add(by_node[node])
-    return [p.name for p in step.captured.params if p.name in found]
-
-
-def _unwraps(node: torch.fx.Node) -> bool:
-    """functorch's grad wrapping of a tensor, or a detach/alias of it: the same parameter's value."""
-    name = getattr(node.target, "__name__", "") if node.op == "call_function" else node.target
-    return name in ("_wrap_for_grad", "detach", "alias", "_set_tensor_requires_grad", "requires_grad_")
