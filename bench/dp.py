@@ -4,7 +4,11 @@
 One training step of a small transformer LM (``TinyLM``-like: d_model 256, 4 layers,
 4 heads, vocab 256), batch B = 16, sequence length T in {16, 128, 512}, SGD; or, with
 ``--model cnn``, of Opacus's CIFAR-10 CNN (``examples/cifar10.py``'s ``convnet``: four 3x3
-convolutions, 3-32-64-64-128 channels, a Linear head) on 3x32x32 images.
+convolutions, 3-32-64-64-128 channels, a Linear head) on 3x32x32 images; ``--model resnet`` /
+``vit``: optpass.demo.vision's SmallResNet (GroupNorm, ``--widths``) and TinyViT on 3x32x32;
+``--model mlp``: 256-256-256-10; ``--model pointwise``: one 1x1 Conv2d 256 -> 256 on 8x8.
+``--norm docs|opacus|vector_norm`` spells the per-sample norm as docs/dp_sgd.md, Opacus's
+``clip_and_accumulate`` or ``torch.linalg`` does.
 
 Model: Opacus computes per-sample gradients module by module, and supports neither
 a bare ``nn.Parameter`` (TinyLM's ``pos``: the whole TinyLM would fall back to
@@ -146,13 +150,17 @@ def build_cnn(args):
 def build_vision(args):
     """``--model resnet``: optpass.demo.vision.SmallResNet (GroupNorm, 3x3 convolutions and strided 1x1
     shortcuts); ``--model vit``: TinyViT (4x4 patches by a strided Conv2d, 2 blocks, width 64); ``--model mlp``:
-    a 256-256-256-10 MLP on 256 features. Images 3x32x32, 10 classes."""
+    a 256-256-256-10 MLP on 256 features; ``--model pointwise``: a 1x1 Conv2d 256 -> 256 on 256x8x8 inputs and a
+    Linear head. Images 3x32x32, 10 classes."""
     import torch
     import torch.nn as nn
 
     from optpass.demo.vision import SmallResNet, TinyViT
 
     torch.manual_seed(0)
+    if args.model == "pointwise":           # one 1x1 convolution, as a ResNet bottleneck's or MobileNet's
+        return nn.Sequential(nn.Conv2d(256, 256, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(256, CLASSES))
     if args.model == "mlp":
         return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES))
     widths = tuple(int(w) for w in args.widths.split(","))
@@ -278,10 +286,11 @@ def child(args) -> None:
     live = CPUTensorBytes()
     live.load()
     g = torch.Generator().manual_seed(1)
-    if args.model in ("cnn", "resnet", "vit", "mlp"):
+    if args.model in ("cnn", "resnet", "vit", "mlp", "pointwise"):
         model = build_cnn(args) if args.model == "cnn" else build_vision(args)
         cfg = argparse.Namespace(vocab=CLASSES)
-        batches = [(torch.randn(args.batch, *((256,) if args.model == "mlp" else (3, 32, 32)), generator=g),
+        shape = {"mlp": (256,), "pointwise": (256, 8, 8)}.get(args.model, (3, 32, 32))
+        batches = [(torch.randn(args.batch, *shape, generator=g),
                     torch.randint(0, CLASSES, (args.batch,), generator=g)) for _ in range(4)]
     else:
         model, cfg = build_model(args)
@@ -492,9 +501,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--norm", default="docs", choices=tuple(NORMS),
                    help="how the DP step spells the per-sample norm: docs/dp_sgd.md's, Opacus's, torch.linalg's")
-    p.add_argument("--model", default="lm", choices=("lm", "cnn", "resnet", "vit", "mlp"),
+    p.add_argument("--model", default="lm", choices=("lm", "cnn", "resnet", "vit", "mlp", "pointwise"),
                    help="lm: DPLM (the default); cnn: Opacus's CIFAR-10 CNN on 3x32x32 images; resnet, vit: "
-                        "optpass.demo.vision's SmallResNet and TinyViT on 3x32x32; mlp: 256-256-256-10 (no --T)")
+                        "optpass.demo.vision's SmallResNet and TinyViT on 3x32x32; mlp: 256-256-256-10; pointwise: a 1x1 "
+                        "Conv2d 256 -> 256 on 8x8 (no --T)")
     p.add_argument("--widths", default="64,128,256", help="--model resnet: the three stages' widths")
     p.add_argument("--interleaved", action="store_true",
                    help="only optpass against plain Inductor, both in one process, one step of each in turn")
@@ -537,7 +547,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     model = ({"cnn": "Opacus's CIFAR-10 CNN (3x32x32)", "resnet": f"SmallResNet widths {args.widths}, GroupNorm (3x32x32)",
               "vit": "TinyViT, 4x4 patches, 2 blocks of width 64 (3x32x32)",
-              "mlp": "MLP 256-256-256-10"}[args.model] if args.model != "lm" else
+              "mlp": "MLP 256-256-256-10", "pointwise": "1x1 Conv2d 256 -> 256 on 256x8x8, Linear head"}[args.model] if args.model != "lm" else
              f"DPLM d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} vocab={args.vocab} "
              f"(positions as nn.Embedding, untied head)")
     print(f"{model}, B={args.batch}, SGD, C={MAX_GRAD_NORM}, "

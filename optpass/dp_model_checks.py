@@ -15,6 +15,7 @@
   statistics, a different model than the one without DP): ``refuse_batch_norm_nodes`` refuses it in
   the DP graph. A BatchNorm in eval mode (fixed running statistics, no sample mixing) is accepted.
 
+Why the error is changed in place rather than raised: docs/design.md §57.
 ``torch._dynamo.reset()`` drops Dynamo's callbacks: optpass registers its own at import and at every
 compile, as for the empty-batch note (``optpass.dpsgd``).
 """

@@ -154,6 +154,18 @@ def _mb(nbytes: int) -> str:
     return _sizes(nbytes)[0]
 
 
+def _dp_growth_line(before: dict, after: dict) -> str:
+    """A DP-SGD graph's estimated growth: its peak without the parameters, optimizer state and inputs
+    (what bench/dp.py's live-tensor peak measures), before the passes (every per-sample gradient
+    materialized: the program as plain Inductor runs it) and after."""
+    grown_before = before["peak_bytes"] - before["bytes_by_tag_at_peak"].get("input", 0)
+    grown_after = after["peak_bytes"] - after["bytes_by_tag_at_peak"].get("input", 0)
+    ratio = f" ({grown_after / grown_before:.2f}x)" if grown_before > 0 else ""
+    shown_before, shown_after = _sizes(grown_before, grown_after)
+    return (f"    estimated growth (the step's own tensors at its peak, without parameters and inputs): "
+            f"{shown_before} unrewritten (this program under plain Inductor) -> {shown_after} rewritten{ratio}")
+
+
 def _describe(index: int, g: GraphReport) -> list[str]:
     d = g.to_dict()
     per_sample = any(p.name == "per_sample_grad_norm" and (p.status == "applied" or p.notes) for p in g.passes)
@@ -191,6 +203,8 @@ def _describe(index: int, g: GraphReport) -> list[str]:
             before["peak_bytes"], grads_before, after["peak_bytes"], grads_after)
         lines.append(f"    estimated peak memory: {peak_before} (gradients {grads_before}) "
                      f"before passes -> {peak_after} (gradients {grads_after}) after")
+        if kind == "dp-sgd":
+            lines.append(_dp_growth_line(before, after))
         by_kind = sorted(after["bytes_by_tag_at_peak"].items(), key=lambda kv: -kv[1])
         alive = ", ".join(f"{_TAG_TEXT.get(kind, kind)} {size}"
                           for (kind, _), size in zip(by_kind, _sizes(*(n for _, n in by_kind))) if size != "0 B")

@@ -115,3 +115,14 @@ def test_a_layer_without_a_rewrite_is_warned_by_name_once_per_compile():
         compile_step(model)(*batch())
     messages = [str(w.message) for w in record if issubclass(w.category, optpass.DPSGDModelWarning)]
     assert len(messages) == 1 and "0.weight [3, 4, 3, 3]: no rewrite for this layer" in messages[0]
+
+
+def test_explain_gives_the_dp_graphs_estimated_growth_rewritten_beside_unrewritten():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 2 * 2, CLASSES))
+    text = str(optpass.explain(dp_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), *batch()))
+    line = next(line for line in text.splitlines() if "estimated growth" in line)
+    assert "unrewritten (this program under plain Inductor) ->" in line
+    ratio = float(line.rsplit("(", 1)[1].rstrip("x)"))
+    assert 0 < ratio < 1

@@ -14,7 +14,7 @@ where ``dims`` are exactly the dimensions that are not the sample's (keepdim or 
 ``cat`` / ``stack`` of per-sample tensors along a dimension that is not the batch's (Opacus's
 flattened-and-concatenated spelling) is first split into the sum of each piece's squared norm
 (``split_concatenated_norms``): the same value, without the concatenated copy, and each piece's
-square then reads as above.
+square then reads as above (docs/design.md §56).
 """
 
 from __future__ import annotations
