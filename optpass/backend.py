@@ -20,8 +20,8 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
                              module_buffers, warn_backward_outside, warn_if_update_recompiles,
                              warn_optimizer_step_in_loop, warn_recurrent_fallback)
 from optpass.dp_model_checks import refuse_batch_norm_in_vmaps, warn_frozen_parameters_differentiated
-from optpass.dpsgd import note_pad_batch_on_empty_vmaps
-from optpass.dynamo_scope import mark_optpass_backend
+from optpass.dpsgd import note_an_empty_vmap
+from optpass.dynamo_scope import keep_compile_end_callback, mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, shard_spec
@@ -44,7 +44,7 @@ from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signa
 # module before Dynamo traces anything, so backward() is captured from the first call.
 enable_backward_capture()
 # Dynamo's error for a vmap over an empty batch (before any graph reaches optpass) names pad_batch.
-note_pad_batch_on_empty_vmaps()
+keep_compile_end_callback(note_an_empty_vmap)
 # A BatchNorm under torch.func fails while Dynamo traces: for an optpass compile, an OptpassError naming it.
 refuse_batch_norm_in_vmaps()
 
@@ -101,9 +101,6 @@ def _compile(gm, example_inputs, options, mode):
         raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
     # Someone may have replaced Dynamo's ignore set since the backend was looked up.
     ignore_logging_calls()
-    # torch._dynamo.reset() drops Dynamo's callbacks: the one that names pad_batch comes back here.
-    note_pad_batch_on_empty_vmaps()
-    refuse_batch_norm_in_vmaps()
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.

@@ -15,20 +15,21 @@
   statistics, a different model than the one without DP): ``refuse_batch_norm_nodes`` refuses it in
   the DP graph. A BatchNorm in eval mode (fixed running statistics, no sample mixing) is accepted.
 
-Why the error is changed in place rather than raised: docs/design.md §57.
-``torch._dynamo.reset()`` drops Dynamo's callbacks: optpass registers its own at import and at every
-compile, as for the empty-batch note (``optpass.dpsgd``).
+Why the error is changed in place rather than raised: docs/design.md §57. The callback is registered
+at import and kept across ``torch._dynamo.reset()`` (``dynamo_scope.keep_compile_end_callback``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
 import torch.fx
 
-from optpass.dynamo_scope import _is_optpass_backend
+from optpass.capture import rooted_path
+from optpass.dynamo_scope import _is_optpass_backend, keep_compile_end_callback
 from optpass.errors import OptpassError, node_user_line, user_line_from_frames, warn_at_user_line
 
 aten = torch.ops.aten
@@ -51,10 +52,9 @@ class DPSGDModelWarning(UserWarning):
 
 
 def refuse_batch_norm_in_vmaps() -> None:
-    """Register (once) the Dynamo compile-end callback that turns a BatchNorm's failure under
-    ``torch.func`` into an ``OptpassError``, for optpass compiles only."""
-    if _refuse_batch_norm not in torch._dynamo.callback.callback_handler.end_callbacks:
-        torch._dynamo.callback.on_compile_end(_refuse_batch_norm)
+    """Register the Dynamo compile-end callback that turns a BatchNorm's failure under ``torch.func``
+    into an ``OptpassError``, for optpass compiles only; kept across ``torch._dynamo.reset()``."""
+    keep_compile_end_callback(_refuse_batch_norm)
 
 
 def _refuse_batch_norm(_args) -> None:
@@ -72,12 +72,44 @@ def _refuse_batch_norm(_args) -> None:
     where = user_line_from_frames(frames)
     layer = "an InstanceNorm with track_running_stats=True" if any(
         frame.filename.endswith(_NORM_FILES[1]) for frame in frames) else "a BatchNorm layer"
+    module = _traced_norm_module(error)
+    if module is not None:
+        layer = f"{layer}, {module},"
     _become_optpass_error(error, (
         f"optpass: {layer} in a per-sample gradient step (torch.func.vmap(grad(...)))"
         + (f", called at {where}" if where else "")
         + ": in training mode it normalizes with statistics over the batch and updates running statistics "
         f"in place, which mixes samples and which torch.func cannot do per sample. {FIX}.\n\n"
         f"torch's error: {text.splitlines()[0] if text else type(error).__name__}"))
+
+
+def _module_stack_path(text: str) -> str:
+    """An ``nn_module_stack`` entry's path, ``getattr(G['model'], '1')``, as ``model.1``."""
+    while (nested := re.fullmatch(r"getattr\((.*), '([^']+)'\)", text)) is not None:
+        text = f"{nested.group(1)}._modules['{nested.group(2)}']"
+    return rooted_path(text)
+
+
+def _traced_norm_module(error: BaseException) -> str | None:
+    """``model.1 (BatchNorm2d(4, ...))``: the module whose forward Dynamo was tracing when ``error``
+    was raised (the innermost translator of a batchnorm.py / instancenorm.py forward on the error's
+    traceback), named by its path from the step's variable; None where it cannot be found."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    found = None
+    traceback = error.__traceback__
+    while traceback is not None:
+        for name in ("self", "tx"):
+            tracer = traceback.tb_frame.f_locals.get(name)
+            if isinstance(tracer, InstructionTranslatorBase) and tracer.f_code.co_filename.endswith(_NORM_FILES):
+                variable = tracer.symbolic_locals.get("self")
+                module = getattr(variable, "value", None)
+                if isinstance(module, torch.nn.Module):
+                    source = getattr(variable, "source", None)
+                    path = rooted_path(source.name) if source is not None else None
+                    found = f"{path} ({module})" if path else repr(module)
+        traceback = traceback.tb_next
+    return found
 
 
 def _become_optpass_error(error: RuntimeError, message: str) -> None:
@@ -130,8 +162,11 @@ def refuse_batch_norm_nodes(step) -> None:
             if training is not True:
                 continue
             where = node_user_line(node)
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            module = f", {_module_stack_path(stack[-1][0])} ({getattr(stack[-1][1], '__name__', stack[-1][1])})," \
+                if stack else ""
             raise OptpassError(
-                "optpass: a BatchNorm in training mode in a per-sample gradient step (torch.func.vmap(grad(...)))"
+                f"optpass: a BatchNorm in training mode{module} in a per-sample gradient step (torch.func.vmap(grad(...)))"
                 + (f" at {where}" if where else "")
                 + ": it normalizes with statistics of the batch (under vmap, of each sample alone: a different "
                 f"model than the one you train without DP). {FIX}.")

@@ -96,21 +96,15 @@ EMPTY_BATCH_NOTE = (
     "batch is padded to m examples, and the step adds the noise alone.")
 
 
-def note_pad_batch_on_empty_vmaps() -> None:
-    """Have Dynamo's error for a ``vmap`` over an empty batch point at ``pad_batch``.
+def note_an_empty_vmap(_args) -> None:
+    """A Dynamo compile-end callback: have Dynamo's error for a ``vmap`` over an empty batch point at
+    ``pad_batch``.
 
-    Such an error is raised while Dynamo traces the step, before any backend sees a graph; a
-    compile-end callback (it runs while the error propagates) adds ``EMPTY_BATCH_NOTE`` to it as a
-    note, which Python prints after the message. Other errors are left as they are.
-
-    ``torch._dynamo.reset()`` drops Dynamo's callbacks: optpass calls this at import and at every
-    compile, so an empty batch that is the first compile after a reset fails without the note.
+    Such an error is raised while Dynamo traces the step, before any backend sees a graph; the callback
+    (it runs while the error propagates) adds ``EMPTY_BATCH_NOTE`` to it as a note, which Python prints
+    after the message. Other errors are left as they are. optpass's backend registers it at import, kept
+    across ``torch._dynamo.reset()`` (``dynamo_scope.keep_compile_end_callback``).
     """
-    if _note_an_empty_vmap not in torch._dynamo.callback.callback_handler.end_callbacks:
-        torch._dynamo.callback.on_compile_end(_note_an_empty_vmap)
-
-
-def _note_an_empty_vmap(_args) -> None:
     error = sys.exc_info()[1]
     if isinstance(error, RuntimeError) and _vmapped_an_empty_batch(error) \
             and EMPTY_BATCH_NOTE not in getattr(error, "__notes__", ()):

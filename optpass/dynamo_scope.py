@@ -199,6 +199,36 @@ class _OptimizerRecordFunctionNote(logging.Filter):
         return True
 
 
+_KEPT_CALLBACKS: list = []
+
+
+def keep_compile_end_callback(callback) -> None:
+    """Register ``callback`` among Dynamo's compile-end callbacks, and again whenever
+    ``torch._dynamo.reset()`` clears them (optpass.explain resets Dynamo; so do test suites).
+
+    An error Dynamo raises while it traces (before any backend runs) reaches optpass only through such
+    a callback, so one dropped by a reset would leave the next compile's error unexplained. The
+    callbacks kept here act on optpass's own errors only (``dp_model_checks``, ``dpsgd``); the handler's
+    ``clear`` is wrapped on the instance to put them back after clearing.
+    """
+    handler = torch._dynamo.callback.callback_handler
+    if callback not in _KEPT_CALLBACKS:
+        _KEPT_CALLBACKS.append(callback)
+    if callback not in handler.end_callbacks:
+        handler.register_end_callback(callback)
+    if not getattr(handler.clear, "_optpass_keeps_callbacks", False):
+        clear = handler.clear
+
+        def clear_keeping_optpass_callbacks() -> None:
+            clear()
+            for kept in _KEPT_CALLBACKS:
+                if kept not in handler.end_callbacks:
+                    handler.end_callbacks.append(kept)
+
+        clear_keeping_optpass_callbacks._optpass_keeps_callbacks = True
+        handler.clear = clear_keeping_optpass_callbacks
+
+
 def install() -> None:
     """Put the scoped settings in place (idempotent; again after someone replaced them).
 

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import optpass
-from optpass.dp_model_checks import refuse_batch_norm_in_vmaps
 
 B, CLASSES = 4, 3
 
@@ -60,19 +59,29 @@ def compile_step(model, backend="optpass", **kwargs):
     (nn.InstanceNorm2d(4, affine=True, track_running_stats=True), False, "an InstanceNorm with track_running_stats"),
 ], ids=["running-stats", "buffers-passed", "no-running-stats", "instance-norm-running-stats"])
 def test_a_batch_norm_in_training_mode_is_refused_naming_the_layer_the_line_and_group_norm(norm, with_buffers, layer):
-    # what importing optpass does in a fresh process (this suite's fixture resets Dynamo, which drops its
-    # callbacks; an optpass compile registers them again)
-    refuse_batch_norm_in_vmaps()
+    # this suite's fixture resets Dynamo before each test: the refusal survives it
     step = compile_step(conv_model(norm), with_buffers=with_buffers)
     with pytest.raises(optpass.OptpassError) as error:
         step(*batch())
     message = str(error.value)
     assert layer in message and "GroupNorm" in message and "ModuleValidator.fix(model)" in message
+    assert f"model.1 ({type(norm).__name__}" in message        # the module, by its path
     assert "test_dp_model_checks.py" in message                  # the user's line: functional_call in the loss
 
 
+def test_the_refusal_holds_after_explain_and_a_reset():
+    """explain resets Dynamo (and so may the user): the BatchNorm refusal stays registered."""
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 6 * 6, CLASSES))
+    optpass.explain(dp_step(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1)), *batch())
+    torch._dynamo.reset()
+    with pytest.raises(optpass.OptpassError, match="BatchNorm"):
+        compile_step(conv_model(nn.BatchNorm2d(4)))(*batch())
+    model = conv_model(nn.BatchNorm2d(4))
+    with pytest.raises(optpass.OptpassError, match="BatchNorm"):
+        optpass.explain(dp_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), *batch())
+
+
 def test_another_backend_keeps_torchs_own_error():
-    refuse_batch_norm_in_vmaps()
     step = compile_step(conv_model(nn.BatchNorm2d(4)), backend="eager")
     with pytest.raises(Exception) as error:
         step(*batch())
