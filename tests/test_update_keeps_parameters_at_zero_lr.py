@@ -24,17 +24,21 @@ def _batch(i):
 
 @pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam])
 @pytest.mark.parametrize("options", [{}, {"lower": "eager"}], ids=["inductor", "eager-lowering"])
-def test_a_warmup_from_lr_zero_leaves_no_nan_without_a_fused_update(optimizer, options):
+@pytest.mark.parametrize("lr", ["tensor", "float"])
+def test_a_warmup_from_lr_zero_leaves_no_nan_without_a_fused_update(optimizer, options, lr):
     """transformers' get_linear_schedule_with_warmup starts at lr = 0: under backend='inductor' 28 of
-    55 entries of this model are NaN after 4 steps; under optpass none, equal to eager."""
+    55 entries of this model are NaN after 4 steps; under optpass none, equal to eager, with a tensor
+    lr (a graph input) and a float one (a constant: the update compiles again at each value)."""
+    from transformers import get_linear_schedule_with_warmup
+
     def train(compiled):
         torch._dynamo.reset()
         model = _embedding_model()
-        opt = optimizer(model.parameters(), lr=torch.tensor(1e-2))
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))      # 0, 0.5, 1, ...
+        opt = optimizer(model.parameters(), lr=torch.tensor(1e-2) if lr == "tensor" else 1e-2)
+        schedule = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=100)   # 0, 0.5, 1, ...
         step = make_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y))
         if compiled:
-            step = torch.compile(step, backend="optpass", options=options)
+            step = torch.compile(step, backend="optpass", options={**options, "warn_on_graph_break": False})
         for i in range(4):
             step(*_batch(i))
             schedule.step()
@@ -67,3 +71,43 @@ class TestUpdateKeepsParametersAtZeroLr(TestCase):
 +where_0: f32[1, 2] = aten.where.self(eq_0, in0, addcdiv_0)
 +copy__0: f32[1, 2] = aten.copy_(in0, where_0)
  copy__1: f32[] = aten.copy_(in1, add_0)""")
+
+    def test_a_float_lr_of_zero_keeps_the_parameter_where_its_update_divides_by_it(self):
+        torch._dynamo.reset()
+        model = torch.nn.Linear(2, 1, bias=False)
+        opt = torch.optim.Adam(model.parameters(), lr=0.0)
+        step = torch.compile(make_step(model, opt, lambda m, x, y: F.mse_loss(m(x), y)), backend="optpass",
+                             options={"passes": ["update_keeps_parameters_at_zero_lr"], "lower": "eager"})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(torch.randn(3, 2), torch.randn(3, 1))
+        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.UPDATE)
+        assert not model.weight.isnan().any()
+        self.assertExpectedInline(optpass.graph_diff(report.graph_before, report.graph_after, context=1), """\
+--- before
++++ after
+@@ -11,21 +11,5 @@
+ copy_0: f32[1, 2] = aten.copy(mul_0, fma_0)
+-pow_0: f32[] = aten.pow.Scalar(0.9, add_0)
+-rsub_0: f32[] = aten.rsub.Scalar(pow_0, 1)
+-pow_1: f32[] = aten.pow.Scalar(0.999, add_0)
+-rsub_1: f32[] = aten.rsub.Scalar(pow_1, 1)
+-reciprocal_0: f32[] = aten.reciprocal(rsub_0)
+-mul_2: f32[] = aten.mul.Tensor(reciprocal_0, 0.0)
+-neg_0: f32[] = aten.neg(mul_2)
+-sqrt_0: f32[] = aten.sqrt(rsub_1)
+-sqrt_1: f32[1, 2] = aten.sqrt(copy_0)
+-mul_3: f32[] = aten.mul.Tensor(sqrt_0, neg_0)
+-div_0: f32[1, 2] = aten.div.Tensor(sqrt_1, mul_3)
+-reciprocal_1: f32[] = aten.reciprocal(neg_0)
+-mul_4: f32[] = aten.mul.Tensor(reciprocal_1, 1e-08)
+-add_1: f32[1, 2] = aten.add.Tensor(div_0, mul_4)
+-addcdiv_0: f32[1, 2] = aten.addcdiv(in0, lerp_0, add_1)
+-copy__0: f32[1, 2] = aten.copy_(in0, addcdiv_0)
+-copy__1: f32[] = aten.copy_(in1, add_0)
+-copy__2: f32[1, 2] = aten.copy_(in2, lerp_0)
+-copy__3: f32[1, 2] = aten.copy_(in3, copy_0)
++copy__0: f32[] = aten.copy_(in1, add_0)
++copy__1: f32[1, 2] = aten.copy_(in2, lerp_0)
++copy__2: f32[1, 2] = aten.copy_(in3, copy_0)
+ return ()""")

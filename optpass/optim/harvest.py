@@ -516,6 +516,47 @@ def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set,
     return kept_params
 
 
+_ZERO_PRESERVING = {torch.ops.aten.neg.default, torch.ops.aten.clone.default, torch.ops.aten.view.default,
+                    torch.ops.aten.alias.default, torch.ops.aten.expand.default}
+
+
+def keep_parameters_dividing_by_a_zero_lr(graph: torch.fx.Graph, writes: dict, params: set) -> list[torch.fx.Node]:
+    """A float lr of 0 is a constant in the update graph (``step_size = reciprocal(bc1) * 0.0``): a
+    parameter whose new value divides by a product of it is 0/0 where its gradient and second moment are
+    zero. For the parameters given (their group's lr is 0) whose write divides by such an exact zero,
+    the write becomes the parameter itself, what eager torch.optim leaves at lr = 0.
+
+    Exact zeros: ``mul`` by a literal 0 or by an exact zero, then ``neg``, views, ``div(zero, x)``.
+    Updates ``writes`` and the graph in place; returns the parameters whose write is now kept."""
+    zeros: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = node.args
+        if node.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar) and any(
+                (not isinstance(a, torch.fx.Node) and not isinstance(a, bool) and a == 0) or a in zeros
+                for a in args[:2]):
+            zeros.add(node)
+        elif (node.target in _ZERO_PRESERVING or node.target is torch.ops.aten.div.Tensor) and args and args[0] in zeros:
+            zeros.add(node)
+    kept_params = []
+    for param in params & set(writes):
+        value = writes[param]
+        divides_by_zero = any(n.op == "call_function" and n.target in _DIVISIONS and (
+            n.args[0] if n.target is torch.ops.aten.reciprocal.default else n.args[1]) in zeros
+            for n in _ancestors([value]))
+        if not divides_by_zero:
+            continue
+        for user in list(value.users):        # the write: an output AOTAutograd copies back, or a copy_
+            if user.target is torch.ops.aten.copy_.default and user.args[0] is param and not user.users:
+                graph.erase_node(user)        # the parameter onto itself: no write at all
+            elif user.op == "output" or (user.target is torch.ops.aten.copy_.default and user.args[0] is param):
+                user.replace_input_with(value, param)
+        writes[param] = param
+        kept_params.append(param)
+    return kept_params
+
+
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
     seen: set[torch.fx.Node] = set()
     stack = list(roots)
