@@ -49,18 +49,24 @@ def test_a_warmup_from_lr_zero_leaves_no_nan_without_a_fused_update(optimizer, o
     assert (compiled - eager).abs().max() <= 1e-6
 
 
+def _update_at_lr_zero(lr):
+    """One step of Adam at lr = 0 (a tensor or a float), the update graph compiled on its own with only
+    this pass; its report (no NaN in the parameter)."""
+    torch._dynamo.reset()
+    model = torch.nn.Linear(2, 1, bias=False)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    step = torch.compile(make_step(model, opt, lambda m, x, y: F.mse_loss(m(x), y)), backend="optpass",
+                         options={"passes": ["update_keeps_parameters_at_zero_lr"], "lower": "eager"})
+    optpass.report.clear_reports()
+    with optpass.keep_graphs():
+        step(torch.randn(3, 2), torch.randn(3, 1))
+    assert not model.weight.isnan().any()
+    return next(r for r in optpass.recent_reports() if r.kind is GraphKind.UPDATE)
+
+
 class TestUpdateKeepsParametersAtZeroLr(TestCase):
     def test_the_parameter_write_is_kept_at_lr_zero(self):
-        torch._dynamo.reset()
-        model = torch.nn.Linear(2, 1, bias=False)
-        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.0))
-        step = torch.compile(make_step(model, opt, lambda m, x, y: F.mse_loss(m(x), y)), backend="optpass",
-                             options={"passes": ["update_keeps_parameters_at_zero_lr"], "lower": "eager"})
-        optpass.report.clear_reports()
-        with optpass.keep_graphs():
-            step(torch.randn(3, 2), torch.randn(3, 1))
-        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.UPDATE)
-        assert not model.weight.isnan().any()
+        report = _update_at_lr_zero(torch.tensor(0.0))
         self.assertExpectedInline(optpass.graph_diff(report.graph_before, report.graph_after, context=1), """\
 --- before
 +++ after
@@ -73,16 +79,7 @@ class TestUpdateKeepsParametersAtZeroLr(TestCase):
  copy__1: f32[] = aten.copy_(in1, add_0)""")
 
     def test_a_float_lr_of_zero_keeps_the_parameter_where_its_update_divides_by_it(self):
-        torch._dynamo.reset()
-        model = torch.nn.Linear(2, 1, bias=False)
-        opt = torch.optim.Adam(model.parameters(), lr=0.0)
-        step = torch.compile(make_step(model, opt, lambda m, x, y: F.mse_loss(m(x), y)), backend="optpass",
-                             options={"passes": ["update_keeps_parameters_at_zero_lr"], "lower": "eager"})
-        optpass.report.clear_reports()
-        with optpass.keep_graphs():
-            step(torch.randn(3, 2), torch.randn(3, 1))
-        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.UPDATE)
-        assert not model.weight.isnan().any()
+        report = _update_at_lr_zero(0.0)
         self.assertExpectedInline(optpass.graph_diff(report.graph_before, report.graph_after, context=1), """\
 --- before
 +++ after
