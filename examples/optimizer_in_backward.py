@@ -110,10 +110,12 @@ print(f"{n_params:,} parameters = {n_params * 4 / 2**20:.2f} MB of float32 gradi
 #
 # What happens on each call:
 #
-# * **call 1** runs the step normally and then `opt.step()` once, eagerly, so that
-#   AdamW creates its state (`exp_avg`, `exp_avg_sq`, `step`);
-# * **call 2** compiles the rewritten graph, with each parameter's AdamW update
-#   spliced into backward, and every later call reuses it.
+# * **call 1** compiles the rewritten graph, with each parameter's AdamW update
+#   spliced into backward, and runs it: the update is fused from the first step.
+#   optpass creates AdamW's state (`exp_avg`, `exp_avg_sq`, `step`) before the
+#   step, as torch.optim would, without running an update;
+# * every later call reuses that graph (an optimizer whose first update creates
+#   its state from the gradient, SGD with momentum, compiles once more at call 2).
 #
 # After every call `p.grad` is `None`: the gradients were consumed inside
 # backward, and the `opt.step()` in the step has nothing left to do.
