@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import optpass
+from parity import make_step
 
 
 def make_model(dtype=torch.float32):
@@ -444,15 +445,7 @@ def test_explain_names_what_is_alive_at_the_peak_before_and_after():
     model = torch.nn.Sequential(torch.nn.Linear(4, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
                                 torch.nn.Tanh(), torch.nn.Linear(256, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train_step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
+    train_step = make_step(model, opt, lambda m, x, y: F.cross_entropy(m(x), y))
     text = str(optpass.explain(train_step, torch.randn(8192, 4), torch.randint(0, 2, (8192,)),
                                options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"}))
     before = next(line for line in text.splitlines() if "alive at the estimated peak (before)" in line)
