@@ -167,22 +167,20 @@ def build_vision(args):
     return SmallResNet(CLASSES, widths) if args.model == "resnet" else TinyViT(CLASSES)
 
 
-# the per-sample norm as the docs, Opacus's clip_and_accumulate and torch.linalg write it (--norm)
-NORMS = {
-    "docs": lambda gs: torch_stack([g.flatten(1).pow(2).sum(1) for g in gs]).sum(0).sqrt(),
-    "opacus": lambda gs: torch_stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in gs], dim=1).norm(2, dim=1),
-    "vector_norm": lambda gs: vector_norm(torch_stack([vector_norm(g.flatten(1), dim=1) for g in gs], dim=1), dim=1),
-}
+# how the DP step spells the per-sample norm (--norm): the docs', Opacus's clip_and_accumulate, torch.linalg's
+NORM_SPELLINGS = ("docs", "opacus", "vector_norm")
 
 
-def torch_stack(tensors, dim=0):
+def per_sample_norms(grads, spelling: str):
+    """[B] norms of the per-sample gradients ``grads``, spelled as ``spelling`` says."""
     import torch
-    return torch.stack(tensors, dim=dim)
 
-
-def vector_norm(tensor, dim):
-    import torch
-    return torch.linalg.vector_norm(tensor, dim=dim)
+    if spelling == "opacus":
+        return torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in grads], dim=1).norm(2, dim=1)
+    if spelling == "vector_norm":
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1), dim=1)
+    return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads]).sum(0).sqrt()
 
 
 def opacus_norms(model, x, y, vocab):
@@ -231,7 +229,7 @@ def make_vmap_dp_step(model, opt, vocab, batch, norm="docs"):
     def clipped_noisy_gradients(x, y):
         params = {k: v.detach() for k, v in model.named_parameters()}
         per_sample = vmap(grad(loss_of_params), in_dims=(None, 0, 0))(params, x, y)
-        norms = NORMS[norm](list(per_sample.values()))
+        norms = per_sample_norms(list(per_sample.values()), norm)
         coef = (MAX_GRAD_NORM / (norms + 1e-6)).clamp(max=1.0)
         for name, p in model.named_parameters():
             p.grad = (torch.einsum("b,b...->...", coef, per_sample[name])
@@ -499,7 +497,7 @@ def print_table(t: int, results: dict[str, dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--norm", default="docs", choices=tuple(NORMS),
+    p.add_argument("--norm", default="docs", choices=NORM_SPELLINGS,
                    help="how the DP step spells the per-sample norm: docs/dp_sgd.md's, Opacus's, torch.linalg's")
     p.add_argument("--model", default="lm", choices=("lm", "cnn", "resnet", "vit", "mlp", "pointwise"),
                    help="lm: DPLM (the default); cnn: Opacus's CIFAR-10 CNN on 3x32x32 images; resnet, vit: "

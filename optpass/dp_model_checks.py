@@ -206,15 +206,18 @@ def _under_vmap(captured) -> bool:
         getattr(n.target, "__name__", "") == "_vmap_increment_nesting" for n in captured.gm.graph.nodes)
 
 
+FROZEN_FIX = ("Differentiate the trainable ones: {k: v.detach() for k, v in model.named_parameters() "
+              "if v.requires_grad} (docs/dp_sgd.md)")
+
+
 def warn_frozen_parameters_differentiated(captured) -> None:
     """Warn (``DPSGDModelWarning``, at the user's line) when a per-sample gradient step
     (``vmap(grad(...))``) differentiates parameters that do not require grad, naming them."""
-    differentiated = differentiated_parameters(captured) if _under_vmap(captured) else None
-    frozen = [p.name for p in captured.params if p.name in (differentiated or ())
+    differentiated = (differentiated_parameters(captured) or ()) if _under_vmap(captured) else ()
+    frozen = [p.name for p in captured.params if p.name in differentiated
               and p.tensor is not None and not p.tensor.requires_grad]
     if frozen:
         warn_at_user_line(
             f"optpass: the DP-SGD step differentiates parameters that do not require grad: {', '.join(frozen)}. "
             "Their per-sample gradients enter every norm and clip factor (Opacus clips the trainable "
-            "parameters only) and they get a .grad. Differentiate the trainable ones: {k: v.detach() for "
-            "k, v in model.named_parameters() if v.requires_grad} (docs/dp_sgd.md)", DPSGDModelWarning)
+            f"parameters only) and they get a .grad. {FROZEN_FIX}", DPSGDModelWarning)

@@ -494,9 +494,7 @@ def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set,
     for param in params & set(writes):
         value = writes[param]
         cone = _ancestors([value])
-        divisors = [d for n in cone if n.op == "call_function" and n.target in _DIVISIONS
-                    for d in [n.args[0] if n.target is torch.ops.aten.reciprocal.default else n.args[1]]
-                    if isinstance(d, torch.fx.Node)]
+        divisors = [d for d in _divisors(cone) if isinstance(d, torch.fx.Node)]
         divided_by_lr = [lr for lr in lrs & cone if any(lr in _ancestors([d]) for d in divisors)]
         if not divided_by_lr:
             continue
@@ -508,9 +506,7 @@ def keep_parameters_at_zero_lr(graph: torch.fx.Graph, writes: dict, params: set,
         with value.meta["val"].fake_mode:
             at_zero.meta["val"] = torch.ops.aten.eq.Scalar(lr.meta["val"], 0)
             kept.meta["val"] = torch.ops.aten.where.self(at_zero.meta["val"], param.meta["val"], value.meta["val"])
-        for user in list(value.users):        # the write: an output AOTAutograd copies back, or a copy_
-            if user.op == "output" or (user.target is torch.ops.aten.copy_.default and user.args[0] is param):
-                user.replace_input_with(value, kept)
+        _write_instead(graph, param, value, kept)
         writes[param] = kept
         kept_params.append(param)
     return kept_params
@@ -542,19 +538,29 @@ def keep_parameters_dividing_by_a_zero_lr(graph: torch.fx.Graph, writes: dict, p
     kept_params = []
     for param in params & set(writes):
         value = writes[param]
-        divides_by_zero = any(n.op == "call_function" and n.target in _DIVISIONS and (
-            n.args[0] if n.target is torch.ops.aten.reciprocal.default else n.args[1]) in zeros
-            for n in _ancestors([value]))
-        if not divides_by_zero:
+        if not any(divisor in zeros for divisor in _divisors(_ancestors([value]))):
             continue
-        for user in list(value.users):        # the write: an output AOTAutograd copies back, or a copy_
-            if user.target is torch.ops.aten.copy_.default and user.args[0] is param and not user.users:
-                graph.erase_node(user)        # the parameter onto itself: no write at all
-            elif user.op == "output" or (user.target is torch.ops.aten.copy_.default and user.args[0] is param):
-                user.replace_input_with(value, param)
+        _write_instead(graph, param, value, param)
         writes[param] = param
         kept_params.append(param)
     return kept_params
+
+
+def _divisors(nodes) -> list:
+    """What the divisions among ``nodes`` divide by (a node or a constant)."""
+    return [n.args[0] if n.target is torch.ops.aten.reciprocal.default else n.args[1]
+            for n in nodes if n.op == "call_function" and n.target in _DIVISIONS]
+
+
+def _write_instead(graph: torch.fx.Graph, param: torch.fx.Node, value: torch.fx.Node, new: torch.fx.Node) -> None:
+    """The parameter's write (an output AOTAutograd copies back, or a ``copy_`` into it) writes ``new``
+    instead of ``value``; a ``copy_`` of the parameter onto itself that nothing reads is dropped."""
+    for user in list(value.users):
+        if user.op == "output" or (user.target is torch.ops.aten.copy_.default and user.args[0] is param):
+            if new is param and user.op != "output" and not user.users:
+                graph.erase_node(user)
+            else:
+                user.replace_input_with(value, new)
 
 
 def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -118,14 +118,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from optpass.dp_model_checks import DPSGDModelWarning, differentiated_parameters, refuse_batch_norm_nodes
+from optpass.dp_model_checks import FROZEN_FIX, DPSGDModelWarning, differentiated_parameters, refuse_batch_norm_nodes
 from optpass.kernels import conv_norm, embedding_norm, per_sample_norm
 from optpass.passes.per_sample_grad_norm.candidate import _Candidate, _contiguous, _shape
 from optpass.passes.per_sample_grad_norm.labels import _classify, _labelled_uses, _sum_feeds_dp_uses
 from optpass.passes.per_sample_grad_norm.linear import (_is_outer_product_over_tokens, _linear_candidate, _outermost_sums)
 from optpass.passes.per_sample_grad_norm.conv import _conv_candidate
 from optpass.passes.per_sample_grad_norm.embedding import _embedding_candidate
-from optpass.passes.per_sample_grad_norm.spellings import (WORKING_SPELLINGS, paired_squared_norm,
+from optpass.passes.per_sample_grad_norm.spellings import (WORKING_SPELLINGS, paired_squared_norm, replace_norm,
                                                            split_concatenated_norms)
 from optpass.passes.per_sample_grad_norm.weights import contracted_parameters, parameter_of
 
@@ -228,7 +228,7 @@ class _Names:
                    if why_not is None else why_not)
         line = f"{layer}: {outcome}"
         self.counts[line] = self.counts.get(line, 0) + 1
-        if why_not is not None and "kept materialized (dp_materialize='auto')" not in why_not:
+        if why_not is not None and why_not != f"{candidate.what}: {candidate.keep}":    # not the policy's choice
             self.materialized.append(f"{layer}: {why_not}")
 
     def note_the_others(self) -> None:
@@ -274,9 +274,7 @@ class _Names:
             lines.append(
                 f"per-sample gradients of parameters that do not require grad (requires_grad=False): "
                 f"{', '.join(frozen)}: they enter every per-sample norm and clip factor, and p.grad is set "
-                "for them; Opacus leaves them out (it clips the trainable parameters only). Differentiate "
-                "the trainable ones: {k: v.detach() for k, v in model.named_parameters() if v.requires_grad} "
-                "(docs/dp_sgd.md)")
+                f"for them; Opacus leaves them out (it clips the trainable parameters only). {FROZEN_FIX}")
         return lines
 
 
@@ -328,14 +326,7 @@ def _rewrite(step, candidate: _Candidate) -> str | None:
         if kind[0] == "norm":
             _, consumer, root = kind
             with graph.inserting_before(consumer):
-                norm = candidate.norm(state)
-                if root:
-                    norm = emit(aten.sqrt.default, norm)
-                if _shape(norm) != _shape(consumer):
-                    norm = emit(aten.view.default, norm, _shape(consumer))
-                if norm.meta["val"].dtype != consumer.meta["val"].dtype:
-                    norm = emit(aten._to_copy.default, norm, dtype=consumer.meta["val"].dtype)
-            consumer.replace_all_uses_with(norm)
+                replace_norm(emit, consumer, candidate.norm(state), root)
         else:
             _, result, coef, layout = kind
             with graph.inserting_before(result):

@@ -56,7 +56,8 @@ def squared_then_summed(square: torch.fx.Node, labels: Labels, size_of, follow):
     if len(uses) != 1:
         return None
     total, _, total_labels, _ = uses[0]
-    if total.target is aten.sum.dim_IntList and total.kwargs.get("dtype") is None and _over_all_but_the_sample(total.args[1], total_labels):
+    if total.target is aten.sum.dim_IntList and total.kwargs.get("dtype") is None \
+            and _over_all_but_the_sample(total.args[1], total_labels):
         return ("norm", total, False)
     return None
 
@@ -65,8 +66,7 @@ def paired_squared_norm(user: torch.fx.Node, reads, size_of, follow):
     """('norm', consumer, False) for a user that reads two different views of one per-sample gradient
     (``reads``: its (value, labels) pairs): ``mul(v1, v2)`` with the same labels then summed, or
     ``bmm(v1 [B, 1, N], v2 [B, N, 1])`` of the same atoms (einsum's self dot product). None otherwise."""
-    if len(reads) != 2 or len(user.args) < 2 or [user.args[0], user.args[1]] != [v for v, _ in reads] and \
-            [user.args[1], user.args[0]] != [v for v, _ in reads]:
+    if len(reads) != 2 or len(user.args) < 2 or set(user.args[:2]) != {value for value, _ in reads}:
         return None
     by_value = dict(reads)
     first, second = by_value[user.args[0]], by_value[user.args[1]]
@@ -103,19 +103,26 @@ def split_concatenated_norms(step, concatenations) -> bool:
                     squares = step.emit(aten.pow.Tensor_Scalar, piece, 2)
                     part = step.emit(aten.sum.dim_IntList, squares, list(range(1, len(_shape(piece)))))
                     total = part if total is None else step.emit(aten.add.Tensor, total, part)
-                if root:
-                    total = step.emit(aten.sqrt.default, total)
-                if _shape(total) != _shape(consumer):
-                    total = step.emit(aten.view.default, total, _shape(consumer))
-                if total.meta["val"].dtype != consumer.meta["val"].dtype:
-                    total = step.emit(aten._to_copy.default, total, dtype=consumer.meta["val"].dtype)
-            consumer.replace_all_uses_with(total)
+                replace_norm(step.emit, consumer, total, root)
             step.graph.erase_node(consumer)
         for square in [user for user in joined.users if not user.users]:
             step.graph.erase_node(square)
         step.graph.erase_node(joined)                  # read by nothing now: no longer a use of its pieces
         changed = True
     return changed
+
+
+def replace_norm(emit, consumer: torch.fx.Node, squared: torch.fx.Node, root: bool) -> None:
+    """Have ``consumer``'s readers read ``squared`` (the [B] squared norms, emitted at the insert point)
+    in its place: its square root where the consumer is the norm, viewed to the consumer's shape
+    (keepdim, einsum's [B, 1, 1]) and cast to its dtype."""
+    if root:
+        squared = emit(aten.sqrt.default, squared)
+    if _shape(squared) != _shape(consumer):
+        squared = emit(aten.view.default, squared, _shape(consumer))
+    if squared.meta["val"].dtype != consumer.meta["val"].dtype:
+        squared = emit(aten._to_copy.default, squared, dtype=consumer.meta["val"].dtype)
+    consumer.replace_all_uses_with(squared)
 
 
 def _direct_users(node, labels):
