@@ -6,6 +6,7 @@ the docs' spelling's memory."""
 import copy
 
 import pytest
+from expecttest import TestCase
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -160,3 +161,99 @@ def test_a_spelling_it_cannot_read_gets_a_note_that_shows_the_one_that_works():
     assert outcome.status == "skipped"
     assert "is also used by select" in outcome.reason
     assert "torch.linalg.vector_norm(g.flatten(1), dim=1)" in outcome.reason
+
+
+class TestSpelledNormGraph(TestCase):
+    def test_a_cat_of_flattened_gradients_normed_becomes_the_sum_of_each_ones_squared_norm(self):
+        """One Linear, norms as torch.cat([g.flatten(1) ...]).norm(2, dim=1): the concatenation is split
+        into per-weight squared norms, the weight's becomes the norm op, the cat is gone."""
+        torch.manual_seed(0)
+        model = nn.Linear(IN, CLASSES)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = torch.compile(make_step(model, opt, NORMS["cat"], CLIPPED_SUMS["einsum"]), backend="optpass",
+                             options={"lower": "eager", "dp_materialize": "never",
+                                      "passes": ["per_sample_grad_norm"]})
+        optpass.report.clear_reports()
+        with optpass.keep_graphs():
+            step(*batch(0))
+        report = next(r for r in optpass.recent_reports() if r.kind is GraphKind.OTHER)
+        self.assertExpectedInline(optpass.graph_diff(report.graph_before, report.graph_after, context=0), """\
+--- before
++++ after
+@@ -50,3 +49,0 @@
+-bmm_0: f32[6, 4, 8] = aten.bmm(view_2, view_3)
+-view_4: f32[6, 4, 8] = aten.view(bmm_0, [6, 4, 8])
+-transpose_1: f32[6, 8, 4] = aten.transpose.int(view_4, 1, 2)
+@@ -54,8 +51,10 @@
+-view_5: f32[6, 4] = aten.view(sum_2, [6, 4])
+-transpose_2: f32[6, 4, 8] = aten.transpose.int(transpose_1, 1, 2)
+-view_6: f32[6, 32] = aten.view(transpose_2, [6, -1])
+-view_7: f32[6, 4] = aten.view(view_5, [6, -1])
+-cat_0: f32[6, 36] = aten.cat([view_6, view_7], 1)
+-linalg_vector_norm_0: f32[6] = aten.linalg_vector_norm(cat_0, 2, [1])
+-add_1: f32[6] = aten.add.Tensor(linalg_vector_norm_0, 1e-06)
+-reciprocal_0: f32[6] = aten.reciprocal(add_1)
++view_4: f32[6, 4] = aten.view(sum_2, [6, 4])
++view_5: f32[6, 4] = aten.view(view_4, [6, -1])
++permute_0: f32[6, 1, 4] = aten.permute(view_2, [0, 2, 1])
++per_sample_grad_sq_norm_0: f32[6] = optpass.per_sample_grad_sq_norm(view_3, permute_0, 'auto')
++pow_0: f32[6, 4] = aten.pow.Tensor_Scalar(view_5, 2)
++sum_3: f32[6] = aten.sum.dim_IntList(pow_0, [1])
++add_1: f32[6] = aten.add.Tensor(per_sample_grad_sq_norm_0, sum_3)
++sqrt_0: f32[6] = aten.sqrt(add_1)
++add_2: f32[6] = aten.add.Tensor(sqrt_0, 1e-06)
++reciprocal_0: f32[6] = aten.reciprocal(add_2)
+@@ -66,11 +65,17 @@
+-permute_0: f32[1, 1, 6] = aten.permute(unsqueeze_5, [1, 2, 0])
+-permute_1: f32[4, 8, 6] = aten.permute(transpose_2, [1, 2, 0])
+-permute_2: f32[6, 1, 1] = aten.permute(permute_0, [2, 0, 1])
+-view_8: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
+-permute_3: f32[6, 4, 8] = aten.permute(permute_1, [2, 0, 1])
+-view_9: f32[1, 6, 32] = aten.view(permute_3, [1, 6, 32])
+-bmm_1: f32[1, 1, 32] = aten.bmm(view_8, view_9)
+-view_10: f32[1, 4, 8] = aten.view(bmm_1, [1, 4, 8])
+-permute_4: f32[4, 8, 1] = aten.permute(view_10, [1, 2, 0])
+-view_11: f32[4, 8] = aten.view(permute_4, [4, 8])
+-div_2: f32[4, 8] = aten.div.Tensor(view_11, 6)
++permute_1: f32[1, 1, 6] = aten.permute(unsqueeze_5, [1, 2, 0])
++permute_2: f32[6, 1, 1] = aten.permute(permute_1, [2, 0, 1])
++view_6: f32[1, 1, 6] = aten.view(permute_2, [1, 1, 6])
++permute_3: f32[6, 1, 4] = aten.permute(view_2, [0, 2, 1])
++clone_0: f32[1, 1, 6] = aten.clone(view_6, memory_format=torch.contiguous_format)
++view_7: f32[6, 1, 1] = aten.view(clone_0, [6, 1, 1])
++mul_3: f32[6, 1, 4] = aten.mul.Tensor(permute_3, view_7)
++clone_1: f32[6, 1, 4] = aten.clone(mul_3, memory_format=torch.contiguous_format)
++view_8: f32[6, 4] = aten.view(clone_1, [6, 4])
++view_9: f32[6, 8] = aten.view(view_3, [6, 8])
++permute_4: f32[4, 6] = aten.permute(view_8, [1, 0])
++mm_1: f32[4, 8] = aten.mm(permute_4, view_9)
++view_10: f32[1, 1, 32] = aten.view(mm_1, [1, 1, 32])
++view_11: f32[1, 4, 8] = aten.view(view_10, [1, 4, 8])
++permute_5: f32[4, 8, 1] = aten.permute(view_11, [1, 2, 0])
++view_12: f32[4, 8] = aten.view(permute_5, [4, 8])
++div_2: f32[4, 8] = aten.div.Tensor(view_12, 6)
+@@ -78,12 +83,12 @@
+-permute_5: f32[1, 6] = aten.permute(unsqueeze_6, [1, 0])
+-permute_6: f32[4, 6] = aten.permute(view_5, [1, 0])
+-permute_7: f32[6, 1] = aten.permute(permute_5, [1, 0])
+-view_12: f32[1, 1, 6] = aten.view(permute_7, [1, 1, 6])
+-permute_8: f32[6, 4] = aten.permute(permute_6, [1, 0])
+-view_13: f32[1, 6, 4] = aten.view(permute_8, [1, 6, 4])
+-bmm_2: f32[1, 1, 4] = aten.bmm(view_12, view_13)
+-view_14: f32[1, 4] = aten.view(bmm_2, [1, 4])
+-permute_9: f32[4, 1] = aten.permute(view_14, [1, 0])
+-view_15: f32[4] = aten.view(permute_9, [4])
+-div_3: f32[4] = aten.div.Tensor(view_15, 6)
+-detach_2: f32[6] = aten.detach(linalg_vector_norm_0)
++permute_6: f32[1, 6] = aten.permute(unsqueeze_6, [1, 0])
++permute_7: f32[4, 6] = aten.permute(view_4, [1, 0])
++permute_8: f32[6, 1] = aten.permute(permute_6, [1, 0])
++view_13: f32[1, 1, 6] = aten.view(permute_8, [1, 1, 6])
++permute_9: f32[6, 4] = aten.permute(permute_7, [1, 0])
++view_14: f32[1, 6, 4] = aten.view(permute_9, [1, 6, 4])
++bmm_0: f32[1, 1, 4] = aten.bmm(view_13, view_14)
++view_15: f32[1, 4] = aten.view(bmm_0, [1, 4])
++permute_10: f32[4, 1] = aten.permute(view_15, [1, 0])
++view_16: f32[4] = aten.view(permute_10, [4])
++div_3: f32[4] = aten.div.Tensor(view_16, 6)
++detach_2: f32[6] = aten.detach(sqrt_0)""")
