@@ -340,127 +340,20 @@ def waited_per_step(step, steps: int) -> float:
     return sum(e.cpu_time_total for e in prof.events() if e.name == "_c10d_functional::wait_tensor") / 1e6 / steps
 
 
-_COUNTING_ALLOCATOR_CPP = r"""
-#include <torch/extension.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
-#include <cstring>
-#include <mutex>
-#include <unordered_map>
-
-namespace {
-// c10's CPU allocation (c10::alloc_cpu, 64-byte aligned) with a 64-byte header that holds the
-// size: every tensor allocation adds its bytes to `live` and its deleter takes them off again,
-// on whatever thread the tensor dies. The data pointer is its own context, as c10's default
-// allocator gives it (raw_allocate / raw_deallocate work). Allocations of at least kListed
-// bytes are listed, so that the run's peak can say which large tensors were alive.
-constexpr size_t kHeader = 64;
-constexpr int64_t kListed = 1 << 20;
-
-struct CountingCPUAllocator final : c10::Allocator {
-  bool installed = false;
-  std::mutex mutex;
-  int64_t live = 0, window_peak = 0, run_peak = 0, allocations = 0, run_peak_at = 0;
-  std::unordered_map<void*, std::pair<int64_t, int64_t>> listed;   // data -> (bytes, allocation number)
-  std::vector<std::pair<int64_t, int64_t>> listed_at_run_peak;
-
-  static CountingCPUAllocator& instance() {
-    static auto* allocator = new CountingCPUAllocator();   // never destroyed: tensors may outlive main()
-    return *allocator;
-  }
-  static void release(void* data) {
-    if (data == nullptr) return;
-    char* block = static_cast<char*>(data) - kHeader;
-    int64_t bytes;
-    std::memcpy(&bytes, block, sizeof(bytes));
-    auto& a = instance();
-    {
-      std::lock_guard<std::mutex> guard(a.mutex);
-      a.live -= bytes;
-      if (bytes >= kListed) a.listed.erase(data);
-    }
-    c10::free_cpu(block);
-  }
-  c10::DataPtr allocate(size_t n) override {
-    char* block = static_cast<char*>(c10::alloc_cpu(n + kHeader));
-    const int64_t bytes = static_cast<int64_t>(n);
-    std::memcpy(block, &bytes, sizeof(bytes));
-    void* data = block + kHeader;
-    {
-      std::lock_guard<std::mutex> guard(mutex);
-      live += bytes;
-      ++allocations;
-      if (bytes >= kListed) listed[data] = {bytes, allocations};
-      window_peak = std::max(window_peak, live);
-      if (live > run_peak) {
-        run_peak = live;
-        run_peak_at = allocations;
-        listed_at_run_peak.clear();
-        for (const auto& entry : listed) listed_at_run_peak.push_back(entry.second);
-      }
-    }
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-};
-}  // namespace
-
-bool install() {
-  auto& a = CountingCPUAllocator::instance();
-  if (!a.installed) {
-    c10::SetCPUAllocator(&a, /*priority=*/100);
-    a.installed = true;
-  }
-  return c10::GetCPUAllocator() == &a;
-}
-// live bytes, the window's peak, the run's peak, allocations so far, the allocation that set the run's peak
-std::vector<int64_t> counters() {
-  auto& a = CountingCPUAllocator::instance();
-  std::lock_guard<std::mutex> guard(a.mutex);
-  return {a.live, a.window_peak, a.run_peak, a.allocations, a.run_peak_at};
-}
-void reset_window() {   // the window's peak from now on: live bytes
-  auto& a = CountingCPUAllocator::instance();
-  std::lock_guard<std::mutex> guard(a.mutex);
-  a.window_peak = a.live;
-}
-void reset_run() {   // the run starts now
-  auto& a = CountingCPUAllocator::instance();
-  std::lock_guard<std::mutex> guard(a.mutex);
-  a.window_peak = a.run_peak = a.live;
-  a.run_peak_at = a.allocations;
-  a.listed_at_run_peak.clear();
-}
-// (bytes, allocation number) of every listed tensor alive when the run's peak was set
-std::vector<std::vector<int64_t>> listed_at_run_peak() {
-  auto& a = CountingCPUAllocator::instance();
-  std::lock_guard<std::mutex> guard(a.mutex);
-  std::vector<std::vector<int64_t>> out;
-  for (const auto& entry : a.listed_at_run_peak) out.push_back({entry.first, entry.second});
-  return out;
-}
-"""
-
-
 class CPUTensorBytes:
     """Child side: the peak of live CPU tensor bytes, counted by the allocator on every thread.
 
-    What ``torch.cuda.max_memory_allocated()`` is on a GPU, for CPU tensors. ``load()``
-    builds (once per machine, ~20 s; cached by ``torch.utils.cpp_extension``) and
-    ``start()`` installs a c10 CPU allocator that allocates as c10's default one does
-    (``c10::alloc_cpu``) with a 64-byte header holding the size: each allocation adds its
-    size to a running total and its deleter subtracts it, on whichever thread the tensor
-    dies (a gloo worker's included), under a mutex. The maximum of that total is the peak
-    of live tensor bytes allocated since ``start()``: no glibc retention, no compile
-    state, no tensor allocated before ``start()`` (nor its free). Memory still comes from
-    glibc as before (64 bytes more per tensor), so RSS is measured in the same process.
-    Tensors of 1 MiB or more are listed, so ``stop()`` also says which were alive at the
-    run's peak. Once installed it stays for the life of the process; torch.profiler's
-    memory events no longer see CPU allocations (c10's default allocator reports them,
-    this one does not).
+    What ``torch.cuda.max_memory_allocated()`` is on a GPU, for CPU tensors: optpass's counting
+    c10 CPU allocator (``optpass.analysis.counting_allocator``, the one ``measure_tensor_peak``
+    counts with). ``load()`` builds it (once per machine, ~20 s; cached by
+    ``torch.utils.cpp_extension``); ``start()`` installs it and starts the run: its peak is that of
+    the live tensor bytes allocated since the allocator was installed (the first ``start()``, or an
+    earlier ``measure_tensor_peak``), on whichever thread each tensor dies (a gloo worker's
+    included): no glibc retention, no compile state, no tensor allocated before it was installed
+    (nor its free). Memory still comes from glibc as before (64 bytes
+    more per tensor), so RSS is measured in the same process. Tensors of 1 MiB or more are listed,
+    so ``stop()`` also says which were alive at the run's peak. Once installed it stays for the
+    life of the process.
     """
 
     def __init__(self) -> None:
@@ -473,41 +366,43 @@ class CPUTensorBytes:
         RSS baseline, so that the module's own pages are not counted as the run's."""
         if self._ext is not None:
             return
-        from torch.utils.cpp_extension import load_inline
-        self._ext = load_inline("optpass_bench_counting_cpu_allocator", cpp_sources=_COUNTING_ALLOCATOR_CPP,
-                                functions=["install", "counters", "reset_window", "reset_run",
-                                           "listed_at_run_peak"], extra_cflags=["-O2"])
+        from optpass.analysis.counting_allocator import counting_allocator, why_unavailable
+
+        self._ext = counting_allocator(install=False)
+        if self._ext is None:
+            raise RuntimeError(f"the counting CPU allocator is not available: {why_unavailable()}")
 
     def start(self) -> None:
-        """Install the allocator: tensors allocated from here on are counted."""
+        """Install the allocator (tensors allocated from here on are counted) and start the run:
+        its peak is counted from here on."""
+        from optpass.analysis.counting_allocator import counting_allocator, why_unavailable
+
         self.load()
-        if not self._ext.install():
-            raise RuntimeError("another CPU allocator with a higher priority is installed")
+        if counting_allocator() is None:
+            raise RuntimeError(f"the counting CPU allocator cannot be installed: {why_unavailable()}")
         self._ext.reset_run()
         self.on = True
 
     def mark(self, name: str):
         """A context manager: a named range whose own peak and end value ``stop()`` reports."""
-        import contextlib
-
         @contextlib.contextmanager
         def measured():
             if not self.on:
                 yield
                 return
-            self._ext.reset_window()
-            first = self._ext.counters()[3] + 1
+            window = self._ext.open_window()[0]
+            first = self._ext.counters()[2] + 1
             try:
                 yield
             finally:
-                live, window_peak, _, allocations, _ = self._ext.counters()
+                _, window_peak, live, _, allocations = self._ext.close_window(window)
                 self._marks[name] = {"peak_bytes": window_peak, "end_bytes": live,
                                      "allocations": (first, allocations)}
         return measured()
 
     def so_far(self) -> dict:
         """``live_bytes`` and ``peak_bytes`` (since ``start()``) now, on any thread; counting goes on."""
-        live, _, run_peak, _, _ = self._ext.counters()
+        live, run_peak, _, _, _ = self._ext.counters()
         return {"live_bytes": live, "peak_bytes": run_peak}
 
     def stop(self) -> dict:
@@ -516,7 +411,7 @@ class CPUTensorBytes:
         last range), and ``peak_in`` (the mark the run's peak fell in) with ``alive_at_peak``:
         the sizes of the tensors of 1 MiB or more alive at the run's peak that were allocated
         in that mark, largest first. The allocator stays installed; counting goes on."""
-        live, _, run_peak, allocations, run_peak_at = self._ext.counters()
+        live, run_peak, allocations, run_peak_at, _ = self._ext.counters()
         self.on = False
         peak_in = next((name for name, m in self._marks.items()
                         if m["allocations"][0] <= run_peak_at <= m["allocations"][1]), None)

@@ -60,7 +60,7 @@ print("torch", torch.__version__, "| optpass", optpass.__version__)
 
 # %%
 source = pathlib.Path("fsdp_train.py").read_text()
-print(source[source.index("    model = make_model()"):source.index("    losses, peak")])
+print(source[source.index("    model = make_model()"):source.index("    losses = []")])
 
 # %%
 out = tempfile.mkdtemp(prefix="optpass-fsdp-")
@@ -77,9 +77,10 @@ for r in ranks:
 # ## 2. Memory per rank
 #
 # Per rank: the parameter bytes it holds between steps, its optimizer state, and the
-# peak of live tensor bytes over the run (what it holds before each call plus the
-# call's own peak, the highest over the 10 calls; the first call compiles and creates
-# the optimizer state). ZeRO-1 holds every parameter; optpass fsdp and FSDP2 hold 1/2;
+# peak of live tensor bytes over the whole run of 10 calls (the parameters it holds
+# before the run plus the run's own peak, `optpass.measure_tensor_peak`, counted on
+# every thread: gloo's worker threads free the collectives' buffers; the first call
+# compiles and creates the optimizer state). ZeRO-1 holds every parameter; optpass fsdp and FSDP2 hold 1/2;
 # with the update inside backward, optpass fsdp never holds the sharded gradients.
 
 # %%
@@ -161,7 +162,8 @@ assert worst < 1e-4
 # `fsdp_train.py` does it for a tiny Llama on 2 ranks, then trains 3 steps:
 
 # %%
-print(source[source.index("    with torch.device(\"meta\"):"):source.index("    losses = []")])
+meta_recipe = source.index("    with torch.device(\"meta\"):")
+print(source[meta_recipe:source.index("    losses = []", meta_recipe)])
 
 # %% [markdown]
 # Each rank's parameter bytes are its shards, half of the whole model's: `to_empty` allocated

@@ -5,9 +5,9 @@
 Each rank trains the same model three times, one after the other, from the same seed: with
 ``optpass.fully_shard`` + ``data_parallel="fsdp"`` and the update in backward, with torch's FSDP2
 (``fully_shard`` per layer and the root, eager), and with optpass ZeRO-1 (every rank holds the whole
-model). For each it measures the live-tensor peak of the run: per call, what this rank holds before
-it (parameters and optimizer state) plus the call's own peak (``optpass.measure_tensor_peak``), the
-highest over the calls; and writes it, with the graph diff of the fsdp step and the gathered
+model). For each it measures the live-tensor peak of the run: the parameters this rank holds before it plus
+the run's own peak (``optpass.measure_tensor_peak``, which counts on every thread, gloo's included);
+and writes it, with the graph diff of the fsdp step and the gathered
 parameters, to ``--out/rank<r>.json``
 (examples/fsdp.ipynb reads them).
 
@@ -75,17 +75,16 @@ def train(variant: str, rank: int, world: int) -> dict:
         train_step = torch.compile(train_step, backend="optpass", options={
             "optimizer": opt, "optimizer_in_backward": True,
             "data_parallel": "fsdp" if variant == "optpass fsdp" else "zero1"})
-    losses, peak = [], 0
-    with optpass.keep_graphs():
+    losses = []
+    held = _bytes(model.parameters())        # what this rank holds before the run: its parameters
+    # the whole run's live-tensor peak, counted on every thread (gloo's, which free the collectives'
+    # buffers, included): the first call compiles and creates the optimizer state
+    with optpass.keep_graphs(), optpass.measure_tensor_peak() as run:
         for i in range(STEPS):
             x, y = global_batch(i, PER_RANK * world)
             mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            # each call measured on its own (the profiler misses what gloo's threads free, so a
-            # block of many calls would drift): what this rank holds before it, plus the call's peak
-            held = _bytes(model.parameters()) + _bytes(_state(opt, variant))
-            with optpass.measure_tensor_peak() as call:
-                losses.append(train_step(x[mine], y[mine]).item())
-            peak = max(peak, held + call.growth_bytes)
+            losses.append(train_step(x[mine], y[mine]).item())
+    peak = held + run.growth_bytes
     param_bytes = _bytes(model.parameters())
     result = {"peak_bytes": peak, "param_bytes": param_bytes, "state_bytes": _bytes(_state(opt, variant)),
               "losses": losses}

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"graph_diff": "optpass.analysis.diff", "graph_text": "optpass.analysis.diff",
          "estimate_peak_memory": "optpass.analysis.memory", "MemoryEstimate": "optpass.analysis.memory",
-         "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory",
+         "measure_tensor_peak": "optpass.analysis.memory", "MeasuredPeak": "optpass.analysis.memory", "MemoryMeasurementWarning": "optpass.analysis.memory",
          "save_sharded_checkpoint": "optpass.fsdp.checkpoint", "load_sharded_checkpoint": "optpass.fsdp.checkpoint",
          "fully_shard": "optpass.fsdp.shard", "RanksSeededDifferentlyWarning": "optpass.fsdp.materialize", "full_state_dict": "optpass.fsdp.checkpoint",
          "load_full_state_dict": "optpass.fsdp.checkpoint",
@@ -42,7 +42,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [
     "optpass_backend", "explain", "Explanation", "graph_diff", "graph_text",
-    "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
+    "estimate_peak_memory", "MemoryEstimate", "measure_tensor_peak", "MeasuredPeak", "MemoryMeasurementWarning", "OptpassError", "BackwardOutsideGraphWarning", "RecompilingUpdateWarning",
     "RecurrentLayerFallbackWarning", "OptimizerStepInLoopWarning", "GradientsNeverClearedWarning",
     "RanksSeededDifferentlyWarning", "DPSGDModelWarning",
     "GraphKind", "StepGraph", "PASSES", "options_help", "keep_graphs", "recent_reports",

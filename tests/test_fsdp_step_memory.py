@@ -1,7 +1,7 @@
 """What reshard_after_forward's placements save at a fully sharded step's peak, measured in one fresh
 process (a one-rank gloo group) per switch, by the bench's counting allocator (bench/_measure.py
 CPUTensorBytes), which sees a tensor die on whichever thread frees it: a collective's buffers may
-die on gloo's worker thread, where torch.profiler's memory events (measure_tensor_peak) miss the
+die on gloo's worker thread, where torch.profiler's memory events miss the
 free, and on a loaded machine they did (the gathered embedding counted alive to the end). Training
 on 2 ranks with each switch on and off: tests/test_fsdp.py (lookups_materialized,
 first_reader_hoisted)."""

@@ -429,13 +429,16 @@ class MeasuredPeak:
             fits, the CPU twin of ``torch.cuda.max_memory_allocated()`` over the block; bytes per
             parameter are ``peak_bytes / n_params``.
         growth_bytes: the block's own peak above what was alive at its entry (what it allocated
-            and had not freed at its highest point).
+            and had not freed at its highest point), counted on every thread.
         live_at_entry_bytes: CPU tensor storages alive when the block started, counted once each:
             parameters, optimizer state, buffers, compiled graphs' constants, the user's tensors
             (every tensor reachable from a Python object; a tensor only C++ holds, such as one
             saved by autograd for a backward not yet run, is not seen).
         end_bytes: what the block left allocated (negative: it freed more).
-        allocations: the number of CPU memory events (allocations and frees) the profiler recorded.
+        allocations: the number of CPU memory events (allocations and frees) counted in the block.
+        counted_by: ``"allocator"`` (every thread: the counting allocator) or ``"profiler"``
+            (torch.profiler's memory events, the fallback where the allocator cannot be built:
+            only the block's own thread, see ``measure_tensor_peak``).
     """
 
     peak_bytes: int = 0
@@ -443,6 +446,13 @@ class MeasuredPeak:
     live_at_entry_bytes: int = 0
     end_bytes: int = 0
     allocations: int = 0
+    counted_by: str = ""
+
+
+class MemoryMeasurementWarning(UserWarning):
+    """``measure_tensor_peak`` fell back to torch.profiler's memory events, which see only the
+    thread that opened the block: allocations and frees on other threads (gloo's workers, a data
+    loader thread) are missed, so a step with collectives may be misstated."""
 
 
 class measure_tensor_peak:
@@ -451,11 +461,20 @@ class measure_tensor_peak:
 
     The CPU twin of ``torch.cuda.max_memory_allocated()``: ``peak_bytes`` is what was alive at the
     block's entry (every CPU tensor storage reachable from Python, counted once) plus the block's
-    growth, read from torch.profiler's memory events, which count what the CPU allocator hands to
-    tensors (eager ops, Inductor's buffers, optimizer state), so it does not move with glibc's heap
-    or with what a compile allocates as Python objects (RSS does). Profiling slows the block down,
-    and finding the live tensors at entry collects garbage first (tensors only a reference cycle
-    holds, such as a compile leaves behind, are freed, not counted) and walks every Python object
+    growth. The growth is counted by a c10 CPU allocator that adds each tensor's bytes when it is
+    allocated and takes them off when it dies, on whatever thread either happens (gloo's worker
+    threads, where a collective's buffers live and die, included): bytes handed to tensors by eager
+    ops, Inductor's buffers and optimizer state, not glibc's heap or what a compile allocates as
+    Python objects (RSS moves with those).
+
+    The allocator is built from C++ the first time (``torch.utils.cpp_extension``: a C++ compiler
+    and ninja, about 20 s, then cached) and stays installed for the rest of the process (64 bytes
+    more per CPU tensor); tensors allocated before that are not counted, nor their frees, so install
+    it early (an empty ``with measure_tensor_peak(): pass``) when a block frees what was made before.
+    Where it cannot be built, the growth comes from torch.profiler's memory events, which see only
+    the calling thread, with a ``MemoryMeasurementWarning``; ``m.counted_by`` says which counted.
+    Finding the live tensors at entry collects garbage first (tensors only a reference cycle holds,
+    such as a compile leaves behind, are freed, not counted) and walks every Python object
     (``gc.get_objects``): for tests and reports, not for timing.
 
     Returns:
@@ -469,26 +488,45 @@ class measure_tensor_peak:
     """
 
     def __enter__(self) -> MeasuredPeak:
-        from torch.profiler import ProfilerActivity, profile
-
         import gc
 
+        from optpass.analysis.counting_allocator import counting_allocator, why_unavailable
+
+        self._allocator = counting_allocator()
         gc.collect()        # garbage in reference cycles (a compile leaves some) is not alive
         self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes())
+        if self._allocator is not None:
+            self.result.counted_by = "allocator"
+            self._window = self._allocator.open_window()[0]
+            return self.result
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+
+        warnings.warn(f"optpass.measure_tensor_peak counts with torch.profiler's memory events, which see "
+                      f"only this thread (a collective's buffers on gloo's threads are missed): the counting "
+                      f"allocator is not available ({why_unavailable()}). Install a C++ compiler and "
+                      f"`pip install ninja` for a count on every thread.", MemoryMeasurementWarning, stacklevel=2)
+        self.result.counted_by = "profiler"
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         return self.result
 
     def __exit__(self, *exc) -> None:
-        self._profile.__exit__(*exc)
-        events = [e for e in self._profile.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
-        live = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            live += event.nbytes()
-            self.result.growth_bytes = max(self.result.growth_bytes, live)
+        if self._allocator is not None:
+            start, peak, live, events, _ = self._allocator.close_window(self._window)
+            self.result.growth_bytes, self.result.end_bytes = peak - start, live - start
+            self.result.allocations = events
+        else:
+            self._profile.__exit__(*exc)
+            events = [e for e in self._profile.profiler.kineto_results.events()
+                      if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+            live = 0
+            for event in sorted(events, key=lambda e: e.start_ns()):
+                live += event.nbytes()
+                self.result.growth_bytes = max(self.result.growth_bytes, live)
+            self.result.end_bytes, self.result.allocations = live, len(events)
         self.result.peak_bytes = self.result.live_at_entry_bytes + self.result.growth_bytes
-        self.result.end_bytes, self.result.allocations = live, len(events)
 
 
 def live_cpu_tensor_bytes() -> int:
