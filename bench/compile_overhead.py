@@ -47,9 +47,22 @@ child, measures how many cores other processes used while it ran
 that was over 0.25 cores (``--busy-retries``), prints the compile ratio over
 the idle-CPU runs alone when there were busy ones, and warns.
 
+Hugging Face models (``--hf``)
+------------------------------
+``--hf bert,gpt2,llama --layers 2,8`` measures, for each model and depth, the step a user fine-tunes
+with (``model(input_ids=ids, labels=ids).loss``, AdamW with a tensor lr, width 64, vocabulary 1000,
+2 sequences) under ``backend="inductor"`` and under ``backend="optpass"`` with the update in backward
+(``--hf-variants`` adds ``optpass-after``: the update after backward), each in a fresh process with an
+empty Inductor cache, variants alternating: the *first step* (sequence length 16: its wall time
+minus a steady step's), the *recompile* a new sequence length causes (24: Dynamo makes the length
+dynamic, so 32 then compiles nothing; checked), the process's peak RSS (``VmHWM``, compiling
+included) and the RSS before the first call, and for optpass its own time (harvesting the update,
+the passes). Ratios optpass / inductor per row; the goal is <= 1.10 for both times.
+
 Usage::
 
     python3 bench/compile_overhead.py              # full run (~6 min on 2 idle CPU cores; more if busy)
+    python3 bench/compile_overhead.py --hf bert,gpt2,llama --layers 2 --repeats 1
     python3 bench/compile_overhead.py --quick      # smoke run (< 2 min)
     python3 bench/compile_overhead.py --json out.json
     python3 bench/compile_overhead.py --profile /tmp/prof   # + cProfile of each child's compile
@@ -262,8 +275,158 @@ def child_interleaved(args) -> dict:
     }
 
 
+HF_VARIANTS = ("inductor", "optpass", "optpass-after")
+HF_LENGTHS = (16, 16, 24, 24, 32)     # first step, steady, recompile (new length), steady, no recompile
+
+
+def _hf_model(torch, name: str, layers: int):
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=128,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=1000, n_embd=64, n_layer=layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+            num_key_value_heads=1))
+    raise ValueError(f"unknown --hf model {name!r}")
+
+
+def child_hf(args) -> dict:
+    """One Hugging Face model, one variant, cold: the first step, a new length's recompile, RSS."""
+    import torch
+
+    from _measure import proc_status_kib
+
+    torch.set_num_threads(args.threads)
+    import optpass
+
+    spent = {"harvest": 0.0, "passes": 0.0}
+    import optpass.lowering as lowering
+    import optpass.runtime.fused_step as fused_step
+
+    def timed(module, name, key):
+        inner = getattr(module, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        setattr(module, name, wrapper)
+    timed(fused_step, "harvest_update", "harvest")
+    timed(lowering, "rewrite", "passes")
+
+    name, layers = args.model.split(":")
+    model = _hf_model(torch, name, int(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+
+    def train_step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    if args.child == "hf-inductor":
+        step = torch.compile(train_step, backend="inductor")
+    else:
+        step = torch.compile(train_step, backend="optpass", options={
+            "optimizer": opt, "optimizer_in_backward": args.child == "hf-optpass"})
+    generator = torch.Generator().manual_seed(0)
+    rss_before = proc_status_kib("VmRSS") / 1024
+    calls, graphs, own = [], [], []
+    for length in HF_LENGTHS:
+        ids = torch.randint(0, 1000, (2, length), generator=generator)
+        for key in spent:
+            spent[key] = 0.0
+        t0 = time.perf_counter()
+        float(step(ids))
+        calls.append(time.perf_counter() - t0)
+        graphs.append(graph_count())
+        own.append(dict(spent))
+    if graphs[-1] != graphs[2] or graphs[1] != graphs[0]:
+        raise RuntimeError(f"{args.child}: a call that should not compile did (graphs after each call: {graphs})")
+    steady = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        float(step(ids))
+        steady.append(time.perf_counter() - t0)
+    steady_s = statistics.median(steady)
+    return {"variant": args.child[len("hf-"):], "model": args.model, "calls_s": calls, "steady_s": steady_s,
+            "first_step_s": calls[0] - steady_s, "recompile_s": calls[2] - steady_s,
+            "optpass_own_first_s": own[0], "optpass_own_recompile_s": own[2], "graphs": graphs,
+            "rss_before_mib": rss_before, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def run_hf_parent(args) -> None:
+    models = [m for m in args.hf.split(",") if m]
+    depths = [int(d) for d in args.layers.split(",") if d]
+    variants = ["inductor"] + [v for v in args.hf_variants.split(",") if v and v != "inductor"]
+    print(f"compile time of Hugging Face training steps, optpass vs inductor | models {models} | layers {depths} "
+          f"| variants {variants} | repeats {args.repeats} | threads {args.threads}", flush=True)
+    rows = []
+    for model in models:
+        for depth in depths:
+            runs = {v: [] for v in variants}
+            for rep in range(args.repeats):
+                for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                    waited = _wait_until_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
+                    cache_dir = _new_cache_dir(variant)
+                    try:
+                        r = run_child(child_command(__file__, child=f"hf-{variant}", model=f"{model}:{depth}",
+                                                    threads=args.threads),
+                                      child_env(args.threads, cache_dir), args.child_timeout)
+                    finally:
+                        shutil.rmtree(cache_dir, ignore_errors=True)
+                    r["waited_for_idle_s"] = round(waited, 1)
+                    runs[variant].append(r)
+                    print(f"  {model} x{depth} {variant:13s} rep {rep}: first step {r['first_step_s']:6.1f} s, "
+                          f"recompile {r['recompile_s']:6.1f} s, peak RSS {r['peak_rss_mib']:6.0f} MiB, "
+                          f"other load {r.get('other_processes_cores')} cores", flush=True)
+            rows.append((model, depth, {v: {k: median([r[k] for r in rs]) for k in
+                                            ("first_step_s", "recompile_s", "peak_rss_mib", "rss_before_mib")}
+                                        | {"parameters": rs[0]["parameters"],
+                                           "harvest_s": median([r["optpass_own_first_s"].get("harvest", 0) +
+                                                                r["optpass_own_recompile_s"].get("harvest", 0)
+                                                                for r in rs]),
+                                           "other_load": max(r.get("other_processes_cores") or 0 for r in rs)}
+                                        for v, rs in runs.items()}, runs))
+    print()
+    print("| model | layers | params | variant | first step s | ratio | recompile s | ratio | peak RSS MiB "
+          "(before the first call) | optpass harvesting the update s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model, depth, summary, _ in rows:
+        base = summary["inductor"]
+        for v in variants:
+            m = summary[v]
+            print(f"| {model} | {depth} | {m['parameters'] / 1e6:.2f}M | {v} | {m['first_step_s']:.1f} | "
+                  f"{m['first_step_s'] / base['first_step_s']:.2f} | {m['recompile_s']:.1f} | "
+                  f"{m['recompile_s'] / base['recompile_s']:.2f} | {m['peak_rss_mib']:.0f} "
+                  f"({m['rss_before_mib']:.0f}) | {m['harvest_s']:.1f} |")
+    busy = [f"{model} x{depth}" for model, depth, summary, _ in rows
+            if any(m["other_load"] > BUSY_CORES for m in summary.values())]
+    if busy:
+        print(f"WARNING: other processes loaded the CPUs during {', '.join(busy)}: those times are noisy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"model": m, "layers": d, "summary": s_, "runs": r} for m, d, s_, r in rows], f, indent=1)
+        print(f"wrote {args.json}")
+
+
 def child_main(args) -> None:
-    emit_result(child_interleaved(args) if args.child == "interleaved" else child_cold(args))
+    if args.child.startswith("hf-"):
+        emit_result(child_hf(args))
+    else:
+        emit_result(child_interleaved(args) if args.child == "interleaved" else child_cold(args))
 
 
 # ====================================================================== parent side
@@ -515,7 +678,13 @@ def main(argv=None) -> None:
                    help="run a cold child again (at most this many times in all) when other processes "
                         f"used more than {BUSY_CORES} cores while it ran (default 2; --quick 0)")
     p.add_argument("--child-timeout", type=int, default=900, help="seconds before a child is killed")
-    p.add_argument("--child", choices=(*VARIANTS, "interleaved"), help=argparse.SUPPRESS)
+    p.add_argument("--hf", metavar="MODELS", help="Hugging Face models instead of the TinyLM: a comma-separated "
+                   "list of bert, gpt2, llama (the first step and a recompile per model and depth)")
+    p.add_argument("--layers", default="2", help="with --hf: comma-separated depths (default 2)")
+    p.add_argument("--hf-variants", default="optpass", help="with --hf: comma-separated, of optpass (update in "
+                   "backward), optpass-after (update after backward); inductor always runs (default optpass)")
+    p.add_argument("--child", choices=(*VARIANTS, "interleaved", *(f"hf-{v}" for v in HF_VARIANTS)),
+                   help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--profile-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -531,7 +700,12 @@ def main(argv=None) -> None:
         args.rounds = 4 if args.quick else 10
     if args.warmup < 1 or args.steps < 1 or args.repeats < 1 or args.block < 1:
         p.error("--warmup, --steps, --repeats and --block must be >= 1")
-    (child_main if args.child else run_parent)(args)
+    if args.child:
+        child_main(args)
+    elif args.hf:
+        run_hf_parent(args)
+    else:
+        run_parent(args)
 
 
 if __name__ == "__main__":

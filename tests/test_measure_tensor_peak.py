@@ -46,6 +46,17 @@ def test_a_tensor_made_or_freed_on_another_thread_is_counted_exactly():
     assert measured.peak_bytes == measured.live_at_entry_bytes + 5 * MiB
 
 
+def test_a_sparse_tensor_alive_at_entry_is_counted():
+    alive = torch.randn(500, 400).to_sparse()                # indices and values: 2 x 8 + 4 bytes per entry
+    with optpass.measure_tensor_peak() as with_it:
+        pass
+    nbytes = alive._indices().untyped_storage().nbytes() + alive._values().untyped_storage().nbytes()
+    del alive
+    with optpass.measure_tensor_peak() as without_it:
+        pass
+    assert with_it.live_at_entry_bytes - without_it.live_at_entry_bytes == nbytes == 500 * 400 * 20
+
+
 def test_nested_blocks_each_keep_their_own_peak():
     with optpass.measure_tensor_peak() as outer:
         big = torch.empty(2 * MiB, dtype=torch.uint8)
@@ -109,10 +120,12 @@ def _collectives_and_fsdp_steps(rank: int, world: int) -> dict:
             for i in range(first, first + steps):
                 x, y = batch(i, world)
                 losses.append(step(mine(x, rank, world), mine(y, rank, world)))
+            time.sleep(0.5)         # gloo's worker drops the last collective's buffers a moment later
         return measured.growth_bytes, measured.end_bytes
 
     run(0, 2)                                                # compile and create AdamW's state
-    result["steps_1"], result["steps_4"] = run(2, 1), run(3, 4)
+    result["steps_1"] = [run(2 + i, 1) for i in range(3)]
+    result["steps_8"] = run(5, 8)
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     return result
 
@@ -138,12 +151,15 @@ def test_a_collectives_buffers_freed_on_gloos_thread_are_counted(two_ranks):
 
 
 def test_an_fsdp_runs_peak_does_not_drift_with_its_length(two_ranks):
-    """A block of four steady fsdp steps peaks where one does (within 2%) and ends where it began
-    but for a few KB (the losses it keeps, small tensors made once): no free on gloo's threads is
-    missed (the profiler's count grew 1-5 MiB a step on a 2.1M-parameter MLP)."""
+    """A block of eight steady fsdp steps peaks where single steps do and ends where it began but for
+    a few KB (the losses it keeps): no free on gloo's threads is missed (the profiler's count grew
+    1-5 MiB a step on a 2.1M-parameter MLP). One step's peak varies by a buffer from block to block
+    (whether gloo's thread has dropped the last gather's buffer when the next is made): the eight
+    steps are compared with the highest of three single steps."""
     for result in two_ranks:
-        one_growth, one_end = result["steps_1"]
-        four_growth, four_end = result["steps_4"]
-        assert one_growth > result["param_bytes"] / 2, result      # the gathered parameters, at least
-        assert abs(four_growth - one_growth) <= 0.02 * one_growth, result
-        assert 0 <= one_end <= 16 * 1024 and 0 <= four_end <= 16 * 1024, result
+        ones = [growth for growth, _ in result["steps_1"]]
+        eight_growth, eight_end = result["steps_8"]
+        assert min(ones) > result["param_bytes"] / 2, result      # the gathered parameters, at least
+        assert min(ones) <= eight_growth <= 1.02 * max(ones), result
+        assert all(0 <= end <= 16 * 1024 for _, end in result["steps_1"]), result
+        assert 0 <= eight_end <= 16 * 1024, result

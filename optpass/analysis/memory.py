@@ -473,6 +473,11 @@ class measure_tensor_peak:
     it early (an empty ``with measure_tensor_peak(): pass``) when a block frees what was made before.
     Where it cannot be built, the growth comes from torch.profiler's memory events, which see only
     the calling thread, with a ``MemoryMeasurementWarning``; ``m.counted_by`` says which counted.
+    Memory that torch's CPU allocator did not hand out is counted at entry but not in the growth:
+    a NumPy array wrapped by ``torch.from_numpy``, shared memory (a DataLoader worker's batches,
+    ``share_memory_()``, which also frees the tensor's allocator memory: a negative ``end_bytes``),
+    a memory-mapped file. A collective's buffer dies on gloo's thread a moment after the step that
+    used it returned: a block that ends right after a step may still count it in ``end_bytes``.
     Finding the live tensors at entry collects garbage first (tensors only a reference cycle holds,
     such as a compile leaves behind, are freed, not counted) and walks every Python object
     (``gc.get_objects``): for tests and reports, not for timing.
@@ -544,11 +549,27 @@ def live_cpu_tensor_bytes() -> int:
     for obj in tensors:
         if isinstance(obj, FakeTensor) or obj.device.type != "cpu":
             continue
-        try:
-            storage = obj.untyped_storage()
-            pointer = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):   # no real storage (a wrapper subclass, sparse)
-            continue
-        if pointer:
-            seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
+        for part in _dense_parts(obj):
+            try:
+                storage = part.untyped_storage()
+                pointer = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):   # no real storage (a wrapper subclass)
+                continue
+            if pointer:
+                seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
     return sum(seen.values())
+
+
+def _dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors that hold a tensor's memory: itself, or a sparse tensor's indices and values."""
+    layout = tensor.layout
+    try:
+        if layout is torch.sparse_coo:
+            return [tensor._indices(), tensor._values()]
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    except (RuntimeError, NotImplementedError):
+        return []
+    return [tensor]
