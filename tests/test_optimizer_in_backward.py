@@ -404,6 +404,35 @@ def test_clip_grad_norm_option_matches_eager_clipping(lower):
     assert min(norms) > max_norm            # clipping was active at every step
 
 
+ALIKE = {**OPTIMIZERS, "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+         "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),
+         "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=1e-2)}
+
+
+@pytest.mark.parametrize("name", sorted(ALIKE))
+def test_alike_parameters_share_one_harvested_update_and_each_matches_eager(name):
+    """Four Linear(32, 32) layers and five 32-wide biases: torch.optim's step is traced once per kind
+    of parameter (tracing every parameter of a deep model took time growing faster than its depth),
+    and every parameter's update, and the state its first step creates, equal eager's."""
+    from optpass.optim.harvest import harvest_update
+
+    def deep():
+        return MLP((16, 32, 32, 32, 32, 32, 4))
+
+    probe = deep().double()
+    harvested = harvest_update(ALIKE[name](probe.parameters()), dict(probe.named_parameters()))
+    traced = {n.name for graph in harvested.graphs for n in graph.nodes if n.op == "placeholder"}
+    shallow = MLP((16, 32, 4)).double()            # one weight and one bias: their own kinds
+    full = harvest_update(ALIKE[name](shallow.parameters()), dict(shallow.named_parameters()))
+    assert set(harvested.updates) == {name for name, _ in probe.named_parameters()}
+    # the weights 16x32, 32x32 (four alike), 32x4, the biases 32 (five alike) and 4: five kinds of
+    # parameter traced, where the shallow model's four took its inputs (and one lr, read or not)
+    assert len(traced) <= 5 / 4 * len({n.name for g in full.graphs for n in g.nodes if n.op == "placeholder"})
+    twin = Twin(deep, lambda m: ALIKE[name](m.parameters()))
+    params, state = train_both(twin, steps=6)
+    assert params <= TOL and state <= TOL
+
+
 def test_harvest_keeps_no_gradient_memory_alive():
     """Dynamo keeps a backend alive for the process: the harvest must not hold its zero gradients."""
     import gc

@@ -40,6 +40,7 @@ of gradients: the whole run's peak is the fused step's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import types
@@ -330,6 +331,9 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     ``OptimizerList`` (several optimizers): each member's update, harvested from that member."""
     if isinstance(optimizer, OptimizerList):
         return _harvest_each_member(optimizer, names)
+    representative = _representatives(optimizer, names)
+    if representative is not None:
+        return _harvest_representatives(optimizer, names, representative)
     params = list(names.values())
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     updates: dict[str, ParameterUpdate] = {}
@@ -358,6 +362,67 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
         raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
                            "the optimizer's step (is it in this optimizer's param_groups?).")
     return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
+
+
+# torch.optim's optimizers whose single-tensor step updates each parameter from its own gradient,
+# state and its group's hyper-parameters alone, with state whose first value depends on the
+# parameter's shape and the group only: two parameters alike in those get the same update graph.
+_PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                             torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                             torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
+
+
+def _representatives(optimizer, names: dict[str, torch.Tensor]) -> dict[str, str] | None:
+    """Each parameter's representative: the first of `names` alike in group, shape, strides, dtype,
+    device and state layout. None when every parameter is its own, or the optimizer is not one of
+    torch.optim's per-parameter classes (exactly: a subclass may override step)."""
+    if type(optimizer) not in _PER_PARAMETER_OPTIMIZERS:
+        return None
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    first: dict[tuple, str] = {}
+    representative = {}
+    for name, p in names.items():
+        state = tuple((key, (tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor)
+                       else type(v).__name__) for key, v in sorted(optimizer.state.get(p, {}).items()))
+        signature = (group_of.get(id(p)), tuple(p.shape), p.stride(), p.dtype, p.device, state)
+        representative[name] = first.setdefault(signature, name)
+    return None if len(first) == len(representative) else representative
+
+
+def _harvest_representatives(optimizer, names: dict[str, torch.Tensor], representative: dict[str, str]) -> HarvestedUpdate:
+    """Harvest one parameter of each kind (``_representatives``) and give every parameter its
+    representative's slice: tracing torch.optim's step over every parameter of a deep model cost
+    time that grew faster than its depth (30 s of a 32-layer Llama's first step). The state
+    ``_init_group`` creates while tracing is created for the representatives; each parameter like
+    one that had none gets a copy of its representative's first value."""
+    mine = {name: p for name, p in names.items() if representative[name] == name}
+    kept = {id(p) for p in mine.values()}
+    had_state = {name for name, p in names.items() if optimizer.state.get(p)}
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+        harvested = harvest_update(optimizer, mine)
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+    copied = False
+    for name, p in names.items():
+        first = names[representative[name]]
+        if name not in had_state and representative[name] != name and optimizer.state.get(first):
+            optimizer.state[p] = {key: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                                  for key, value in optimizer.state[first].items()}
+            copied = True
+    if copied:              # opt.state in the parameters' order, as torch.optim's first step leaves it
+        order = [p for group in optimizer.param_groups for p in group["params"] if p in optimizer.state]
+        entries = {p: optimizer.state[p] for p in order}
+        entries.update((p, s) for p, s in optimizer.state.items() if p not in entries)
+        optimizer.state.clear()
+        optimizer.state.update(entries)
+    updates = {name: dataclasses.replace(harvested.updates[representative[name]], name=name) for name in names}
+    created = {(name, key): spec for name in names for (owner, key), spec in harvested.created.items()
+               if owner == representative[name]}
+    return HarvestedUpdate(harvested.graphs, updates, created)
 
 
 def _harvest_each_member(several: OptimizerList, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
