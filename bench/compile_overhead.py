@@ -128,15 +128,18 @@ def _dynamo_timed(torch) -> dict:
 
 
 class _OptpassTimers:
-    """Time optpass's own work inside the backend (capture + pass pipeline) by wrapping it."""
+    """Time optpass's own work inside the backend (capture, pass pipeline, harvesting the update
+    for a fused step) by wrapping it."""
 
     def __init__(self):
-        self.seconds = {"capture": 0.0, "rewrite": 0.0}
+        self.seconds = {"capture": 0.0, "rewrite": 0.0, "harvest": 0.0}
         import optpass.backend as backend
         import optpass.lowering as lowering
+        import optpass.runtime.fused_step as fused_step
 
         self._wrap(backend, "capture", "capture")
         self._wrap(lowering, "rewrite", "rewrite")
+        self._wrap(fused_step, "harvest_update", "harvest")
 
     def _wrap(self, module, attr, key):
         inner = getattr(module, attr)
@@ -304,36 +307,12 @@ def child_hf(args) -> dict:
     from _measure import proc_status_kib
 
     torch.set_num_threads(args.threads)
-    import optpass
-
-    spent = {"harvest": 0.0, "passes": 0.0}
-    import optpass.lowering as lowering
-    import optpass.runtime.fused_step as fused_step
-
-    def timed(module, name, key):
-        inner = getattr(module, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - t0
-        setattr(module, name, wrapper)
-    timed(fused_step, "harvest_update", "harvest")
-    timed(lowering, "rewrite", "passes")
-
+    timers = _OptpassTimers()
+    spent = timers.seconds
     name, layers = args.model.split(":")
     model = _hf_model(torch, name, int(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
-
-    def train_step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
+    train_step = training_step(lambda ids, labels: model(input_ids=ids, labels=labels).loss, opt)
 
     if args.child == "hf-inductor":
         step = torch.compile(train_step, backend="inductor")
@@ -348,7 +327,7 @@ def child_hf(args) -> dict:
         for key in spent:
             spent[key] = 0.0
         t0 = time.perf_counter()
-        float(step(ids))
+        float(step(ids, ids))
         calls.append(time.perf_counter() - t0)
         graphs.append(graph_count())
         own.append(dict(spent))
@@ -357,7 +336,7 @@ def child_hf(args) -> dict:
     steady = []
     for _ in range(3):
         t0 = time.perf_counter()
-        float(step(ids))
+        float(step(ids, ids))
         steady.append(time.perf_counter() - t0)
     steady_s = statistics.median(steady)
     return {"variant": args.child[len("hf-"):], "model": args.model, "calls_s": calls, "steady_s": steady_s,
