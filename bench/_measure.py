@@ -390,7 +390,7 @@ class CPUTensorBytes:
             if not self.on:
                 yield
                 return
-            window = self._ext.open_window()[0]
+            window = self._ext.open_window()
             first = self._ext.counters()[2] + 1
             try:
                 yield
@@ -402,7 +402,7 @@ class CPUTensorBytes:
 
     def so_far(self) -> dict:
         """``live_bytes`` and ``peak_bytes`` (since ``start()``) now, on any thread; counting goes on."""
-        live, run_peak, _, _, _ = self._ext.counters()
+        live, run_peak, _, _ = self._ext.counters()
         return {"live_bytes": live, "peak_bytes": run_peak}
 
     def stop(self) -> dict:
@@ -411,7 +411,7 @@ class CPUTensorBytes:
         last range), and ``peak_in`` (the mark the run's peak fell in) with ``alive_at_peak``:
         the sizes of the tensors of 1 MiB or more alive at the run's peak that were allocated
         in that mark, largest first. The allocator stays installed; counting goes on."""
-        live, run_peak, allocations, run_peak_at, _ = self._ext.counters()
+        live, run_peak, allocations, run_peak_at = self._ext.counters()
         self.on = False
         peak_in = next((name for name, m in self._marks.items()
                         if m["allocations"][0] <= run_peak_at <= m["allocations"][1]), None)

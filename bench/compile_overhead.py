@@ -309,8 +309,8 @@ def child_hf(args) -> dict:
     torch.set_num_threads(args.threads)
     timers = _OptpassTimers()
     spent = timers.seconds
-    name, layers = args.model.split(":")
-    model = _hf_model(torch, name, int(layers))
+    model_cfg = json.loads(args.model)
+    model = _hf_model(torch, model_cfg["name"], model_cfg["layers"])
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
     train_step = training_step(lambda ids, labels: model(input_ids=ids, labels=labels).loss, opt)
 
@@ -339,7 +339,7 @@ def child_hf(args) -> dict:
         float(step(ids, ids))
         steady.append(time.perf_counter() - t0)
     steady_s = statistics.median(steady)
-    return {"variant": args.child[len("hf-"):], "model": args.model, "calls_s": calls, "steady_s": steady_s,
+    return {"variant": args.child[len("hf-"):], "model": model_cfg, "calls_s": calls, "steady_s": steady_s,
             "first_step_s": calls[0] - steady_s, "recompile_s": calls[2] - steady_s,
             "optpass_own_first_s": own[0], "optpass_own_recompile_s": own[2], "graphs": graphs,
             "rss_before_mib": rss_before, "peak_rss_mib": proc_status_kib("VmHWM") / 1024,
@@ -358,15 +358,11 @@ def run_hf_parent(args) -> None:
             runs = {v: [] for v in variants}
             for rep in range(args.repeats):
                 for variant in (variants if rep % 2 == 0 else variants[::-1]):
-                    waited = _wait_until_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
                     cache_dir = _new_cache_dir(variant)
                     try:
-                        r = run_child(child_command(__file__, child=f"hf-{variant}", model=f"{model}:{depth}",
-                                                    threads=args.threads),
-                                      child_env(args.threads, cache_dir), args.child_timeout)
+                        r = _spawn(args, f"hf-{variant}", {"name": model, "layers": depth}, cache_dir)
                     finally:
                         shutil.rmtree(cache_dir, ignore_errors=True)
-                    r["waited_for_idle_s"] = round(waited, 1)
                     runs[variant].append(r)
                     print(f"  {model} x{depth} {variant:13s} rep {rep}: first step {r['first_step_s']:6.1f} s, "
                           f"recompile {r['recompile_s']:6.1f} s, peak RSS {r['peak_rss_mib']:6.0f} MiB, "

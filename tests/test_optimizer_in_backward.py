@@ -419,15 +419,16 @@ def test_alike_parameters_share_one_harvested_update_and_each_matches_eager(name
     def deep():
         return MLP((16, 32, 32, 32, 32, 32, 4))
 
-    probe = deep().double()
-    harvested = harvest_update(ALIKE[name](probe.parameters()), dict(probe.named_parameters()))
-    traced = {n.name for graph in harvested.graphs for n in graph.nodes if n.op == "placeholder"}
-    shallow = MLP((16, 32, 4)).double()            # one weight and one bias: their own kinds
-    full = harvest_update(ALIKE[name](shallow.parameters()), dict(shallow.named_parameters()))
-    assert set(harvested.updates) == {name for name, _ in probe.named_parameters()}
+    def harvested_inputs(model):
+        harvested = harvest_update(ALIKE[name](model.parameters()), dict(model.named_parameters()))
+        assert set(harvested.updates) == {name for name, _ in model.named_parameters()}
+        return {n.name for graph in harvested.graphs for n in graph.nodes if n.op == "placeholder"}
+
     # the weights 16x32, 32x32 (four alike), 32x4, the biases 32 (five alike) and 4: five kinds of
-    # parameter traced, where the shallow model's four took its inputs (and one lr, read or not)
-    assert len(traced) <= 5 / 4 * len({n.name for g in full.graphs for n in g.nodes if n.op == "placeholder"})
+    # parameter traced, where the shallow model's four (one weight and one bias a layer) took its
+    # inputs (and one lr, read or not)
+    traced, shallow = harvested_inputs(deep().double()), harvested_inputs(MLP((16, 32, 4)).double())
+    assert len(traced) <= 5 / 4 * len(shallow)
     twin = Twin(deep, lambda m: ALIKE[name](m.parameters()))
     params, state = train_both(twin, steps=6)
     assert params <= TOL and state <= TOL

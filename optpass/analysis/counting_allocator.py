@@ -4,8 +4,8 @@ and the benches read.
 Why an allocator: torch.profiler's memory events are recorded per thread, for the threads the
 profiler was started on. A collective on gloo allocates and frees buffers on gloo's worker threads,
 and a tensor made on the main thread often dies there (its last reference is the work object the
-worker drops): the profiler sees neither, so a block of fully sharded steps drifts upward and one
-step's growth is overstated (26.1 MiB against 14.3 MiB counted here, on one fsdp step on 2 ranks).
+worker drops): the profiler misses those frees, so a block of fully sharded steps drifts upward (a
+functional all-gather on 2 ranks left its whole output counted alive after the block).
 A Python thread's allocations are missed the same way, and the profiler's "all threads" mode records
 no memory events at all (torch 2.13). What the allocator counts is what
 ``torch.cuda.max_memory_allocated`` counts on a GPU: bytes handed to tensors, not glibc's heap.
@@ -112,19 +112,19 @@ bool install() {
   }
   return c10::GetCPUAllocator() == &a;
 }
-// live bytes, the run's peak, allocations so far, the allocation that set the run's peak, events so far
+// live bytes, the run's peak, allocations so far, the allocation that set the run's peak
 std::vector<int64_t> counters() {
   auto& a = CountingCPUAllocator::instance();
   std::lock_guard<std::mutex> guard(a.mutex);
-  return {a.live, a.run_peak, a.allocations, a.run_peak_at, a.events};
+  return {a.live, a.run_peak, a.allocations, a.run_peak_at};
 }
-// a window opens: its number, live bytes and events now
-std::vector<int64_t> open_window() {
+// a window opens: its number
+int64_t open_window() {
   auto& a = CountingCPUAllocator::instance();
   std::lock_guard<std::mutex> guard(a.mutex);
   const int64_t number = a.next_window++;
   a.windows[number] = {a.live, a.live, a.events};
-  return {number, a.live, a.events};
+  return number;
 }
 // the window closes: live bytes at its start, its peak, live bytes now, events in it, allocations so far
 std::vector<int64_t> close_window(int64_t number) {

@@ -502,7 +502,7 @@ class measure_tensor_peak:
         self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes())
         if self._allocator is not None:
             self.result.counted_by = "allocator"
-            self._window = self._allocator.open_window()[0]
+            self._window = self._allocator.open_window()
             return self.result
         import warnings
 

@@ -392,7 +392,8 @@ def _representatives(optimizer, names: dict[str, torch.Tensor]) -> dict[str, str
 def _harvest_representatives(optimizer, names: dict[str, torch.Tensor], representative: dict[str, str]) -> HarvestedUpdate:
     """Harvest one parameter of each kind (``_representatives``) and give every parameter its
     representative's slice: tracing torch.optim's step over every parameter of a deep model cost
-    time that grew faster than its depth (30 s of a 32-layer Llama's first step). The state
+    time that grew faster than its depth (59.5 s over a 32-layer Llama's first step and a recompile,
+    bench/compile_overhead.py --hf). The state
     ``_init_group`` creates while tracing is created for the representatives; each parameter like
     one that had none gets a copy of its representative's first value."""
     mine = {name: p for name, p in names.items() if representative[name] == name}
