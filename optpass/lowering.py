@@ -35,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from optpass import passes
-from optpass.passes import _row_chunks, reshard_after_forward
+from optpass.passes import _row_chunks, outline_updates, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
 from optpass.checkpointed_regions import rematerialize, torch_remat_off
@@ -82,6 +82,9 @@ def rewrite(graph: torch.fx.Graph, captured: CapturedGraph, options, report: Gra
     if keep:
         report.graph_after = _snapshot(graph)
         report.memory_after = _named_inputs(estimate_peak_memory(graph, tag=tag), step)
+    if options.lower == "inductor" and options.outline_updates:
+        # after the report's graphs: what a pass did is read there; this is how Inductor runs it
+        report.outlined_updates = outline_updates.run(graph)
 
 
 def _named_inputs(estimate, step: StepGraph):
@@ -151,7 +154,8 @@ class _PipelineRecord:
 
     def save(self, report: GraphReport) -> None:
         data = {"passes": [dataclasses.asdict(p) for p in report.passes], "regions": report.regions,
-                "aten_ops_before": report.aten_ops_before, "aten_ops_after": report.aten_ops_after}
+                "aten_ops_before": report.aten_ops_before, "aten_ops_after": report.aten_ops_after,
+                "outlined_updates": report.outlined_updates}
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             temporary = f"{self.path}.{os.getpid()}.tmp"
@@ -173,6 +177,7 @@ class _PipelineRecord:
             passes.warn_outcome(outcome)             # what the pipeline warned when it ran
         report.regions = data["regions"]
         report.aten_ops_before, report.aten_ops_after = data["aten_ops_before"], data["aten_ops_after"]
+        report.outlined_updates = data.get("outlined_updates")
 
 
 def lower_for_explain(gm, example_inputs, context, *, captured, options, report):
@@ -199,6 +204,7 @@ def _spell_out_alpha(step: StepGraph) -> None:
         with step.graph.inserting_before(node):
             scaled = step.emit(aten.mul.Tensor, node.args[1], alpha)
             plain = step.emit(node.target, node.args[0], scaled)
+        scaled.meta[REGION_KEY] = plain.meta[REGION_KEY] = node.meta[REGION_KEY]
         node.replace_all_uses_with(plain)
         step.graph.erase_node(node)
 

@@ -59,6 +59,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("lower", (str,), "inductor",
            "how the rewritten graph runs: 'inductor' (compile_fx) or 'eager' (the aten graph as is)",
            choices=LOWERINGS),
+    Option("outline_updates", (bool,), True,
+           "with lower='inductor': each parameter's update compiled once per kind (shape, dtype, "
+           "update) and called from the step graph, so a recompile or a deeper model adds no update "
+           "code; False: Inductor lowers every update inline in the step graph"),
     Option("passes", (list, tuple, type(None)), None,
            "names of the passes to run, in pipeline order (None: every pass that is on by default)"),
     Option("disable_passes", (list, tuple), (),
@@ -260,6 +264,7 @@ class Options:
     """The validated options (``from_user``); every default is ``OPTIONS``'."""
 
     lower: str = _default("lower")
+    outline_updates: bool = _default("outline_updates")
     passes: tuple[str, ...] | None = _default("passes")
     disable_passes: tuple[str, ...] = _default("disable_passes")
     warn_on_graph_break: bool = _default("warn_on_graph_break")
@@ -327,7 +332,7 @@ class Options:
         return repr((self.passes, tuple(sorted(self.disable_passes)), self.clip_grad_norm,
                      self.data_parallel, self.partition, self.bucket_bytes, self.collectives,
                      self.dp_materialize, str(self.master_weights), self.grad_scaler is not None,
-                     self.logits_in_chunks))
+                     self.logits_in_chunks, self.outline_updates))
 
 
 def _check_type(option: Option, value: Any) -> None:

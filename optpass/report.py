@@ -39,6 +39,9 @@ class GraphReport:
         memory_after: the ``MemoryEstimate`` after the passes (only inside ``keep_graphs()``).
         aten_ops_before: aten ops before the passes (None: not traced to aten).
         aten_ops_after: aten ops after the passes.
+        outlined_updates: how many updates Inductor runs as calls of an update compiled once per
+            kind (option ``outline_updates``; ``graph_after`` shows them inline); None when
+            Inductor did not lower the graph or the option is off.
         graph_before: a copy of the aten graph before the passes (only inside ``keep_graphs()``).
         graph_after: a copy of the aten graph after the passes (only inside ``keep_graphs()``).
         gradient_bytes: bytes of all gradients that become ``p.grad``, before the passes (only
@@ -59,6 +62,7 @@ class GraphReport:
     memory_after: Any = None
     aten_ops_before: int | None = None
     aten_ops_after: int | None = None
+    outlined_updates: int | None = None
     graph_before: torch.fx.Graph | None = None
     graph_after: torch.fx.Graph | None = None
     gradient_bytes: int | None = None          # all gradients that become p.grad, before passes
@@ -91,6 +95,7 @@ class GraphReport:
             "dynamo_ops": c.dynamo_ops,
             "aten_ops_before": self.aten_ops_before,
             "aten_ops_after": self.aten_ops_after,
+            "outlined_updates": self.outlined_updates,
             "regions": dict(self.regions),
             "parameters": [p.name for p in c.params],
             "parameter_bytes": sum(p.nbytes for p in c.params),

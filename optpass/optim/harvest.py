@@ -50,6 +50,7 @@ import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
+from optpass.analysis.diff import graph_text
 from optpass.errors import OptpassError
 from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
@@ -93,8 +94,11 @@ class HarvestedUpdate:
     def digest(self) -> str:
         """The update's text and the state it creates: two layouts of the state (SGD's first step
         creates its momentum buffer, later steps read it) give different fused graphs from the same
-        step graph, so this is part of the Inductor cache key of the rewrite."""
-        text = "\n".join(str(g) for g in self.graphs) + repr(sorted(self.created))
+        step graph, so this is part of the Inductor cache key of the rewrite. Its text does not
+        depend on FX's node names, which differ between a process that traced the step cold and one
+        that AOTAutograd's cache served (the same update: Inductor's cache missed every step graph
+        on the second run of a program, measured)."""
+        text = "\n".join(graph_text(g) for g in self.graphs) + repr(sorted(self.created))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
