@@ -82,6 +82,10 @@ def _outlinable_op(node: torch.fx.Node) -> bool:
     return not (torch.Tag.nondeterministic_seeded in node.target.tags)
 
 
+def _static_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in (*value.shape, *value.stride()))
+
+
 def _written_inputs(node: torch.fx.Node, members: set) -> list[torch.fx.Node]:
     """The values made outside the piece that ``node`` writes (through views made inside it)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -107,7 +111,7 @@ def _outline(graph: torch.fx.Graph, piece: list[torch.fx.Node], position: dict) 
         for source in n.all_input_nodes:
             if source not in members and source not in inputs:
                 inputs.append(source)
-    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs):
+    if not all(_static_tensor(n.meta.get("val")) for n in inputs):
         return False  # a symbolic size or another non-tensor input: keep it inline
     written = []
     for n in piece:
