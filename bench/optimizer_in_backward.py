@@ -32,6 +32,9 @@ Variants, each named ``KIND/OPTIMIZER`` (``eager/adamw``, ``optpass/sgd``, ...):
 * ``optpass-scaler-after`` (only with ``--variants``) -- ``grad_scaler`` without
   ``optimizer_in_backward``: the update after backward (every gradient alive), the
   alternative to paying the extra backward;
+* ``optpass-inline`` (only with ``--variants``) -- optpass with ``outline_updates=False``: every
+  update lowered inline in the step graph instead of one call per parameter of an update compiled
+  once per kind (what outlining costs or saves in step time and memory);
 * ``optpass-eager`` (only with ``--variants``) -- optpass with ``lower="eager"``: the
   rewritten aten graph run as is, for telling Inductor's part from the pass's.
 
@@ -94,6 +97,7 @@ Usage::
     python3 bench/optimizer_in_backward.py --quick          # smoke run: 4 x 1024^2
     python3 bench/optimizer_in_backward.py --optimizers adamw --variants eager,inductor,optpass,optpass-eager
     python3 bench/optimizer_in_backward.py --variants optpass,optpass-clip   # cost of clip_grad_norm
+    python3 bench/optimizer_in_backward.py --variants optpass,optpass-inline # what outlining the updates changes
     python3 bench/optimizer_in_backward.py --variants optpass,optpass-scaler,optpass-scaler-after  # grad_scaler
     python3 bench/optimizer_in_backward.py --json out.json
 
@@ -111,7 +115,7 @@ from _measure import (child_command, child_env, cpu_busy_s, emit_result, empty_c
                       other_cores, print_json, proc_status_kib, reset_peak_rss, run_child, self_cpu_s, training_step)
 
 DEFAULT_KINDS = ("eager", "inductor", "optpass")
-ALL_KINDS = DEFAULT_KINDS + ("optpass-eager", "optpass-clip", "optpass-scaler", "optpass-scaler-after")
+ALL_KINDS = DEFAULT_KINDS + ("optpass-inline", "optpass-eager", "optpass-clip", "optpass-scaler", "optpass-scaler-after")
 OPTIMIZERS = ("adamw", "sgd")
 STATE_BYTES_PER_PARAM = {"adamw": 8, "sgd": 4}   # fp32 exp_avg + exp_avg_sq; momentum_buffer
 MEMORY_GOAL = 0.90      # whole-run peak saved, as a fraction of the gradient bytes, vs inductor and vs eager
@@ -196,6 +200,8 @@ def run_variant(args) -> None:
         options = {"optimizer": opt, "optimizer_in_backward": kind != "optpass-scaler-after"}
         if kind == "optpass-eager":
             options["lower"] = "eager"
+        if kind == "optpass-inline":
+            options["outline_updates"] = False
         if kind == "optpass-clip":   # exact global-norm clipping: one extra, norm-only backward
             options["clip_grad_norm"] = 1.0
         if kind.startswith("optpass-scaler"):   # loss scaling: inf/nan check before any update
@@ -407,7 +413,8 @@ def _print_goals(opt: str, summary: dict, ratios: dict, grad_bytes: int) -> None
         ratios["whole_run_peak_clip_minus_optpass_mb"] = c["whole_run_peak_mb"] - o["whole_run_peak_mb"]
         print(f"  optpass-clip vs optpass: step time ratio {ratios['step_time_clip_over_optpass']:.3f}; whole-run "
               f"peak {ratios['whole_run_peak_clip_minus_optpass_mb']:+.1f} MB  (the cost of clip_grad_norm)")
-    for variant, what in (("optpass-scaler", "grad_scaler inside backward: a check-only first backward"),
+    for variant, what in (("optpass-inline", "every update inline: what outlining changes"),
+                          ("optpass-scaler", "grad_scaler inside backward: a check-only first backward"),
                           ("optpass-scaler-after", "grad_scaler, update after backward")):
         c = summary.get(f"{variant}/{opt}")
         if c is not None:

@@ -94,6 +94,33 @@ def _asks_for_data_parallel(options) -> bool:
     return value is not None
 
 
+def _specialize_symbolic_floats(gm) -> None:
+    """Ask Dynamo to trace again with every symbolic float input a constant.
+
+    With ``dynamic=True`` Dynamo makes the step's Python floats (a param group's betas and eps, which
+    the captured ``opt.step()`` reads) symbolic inputs. AOTAutograd's pass that turns them into
+    tensors cannot take them all and asks Dynamo to restart with them specialized: Dynamo can
+    restart only while it compiles, and optpass lowers a fused step later, at its first call
+    (measured: ``TensorifyScalarRestartAnalysis`` raised from the first step). The same request,
+    made here, is the one AOTAutograd would make (torch's ``TensorifyState``)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    from torch._guards import detect_fake_mode
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    fake_mode = detect_fake_mode([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return
+    names = [str(symbol) for symbol in shape_env.backed_var_to_val if symbol_is_type(symbol, SymT.FLOAT)]
+    new = [name for name in names if not TensorifyState.should_specialize(name)]
+    if new:
+        for name in new:
+            TensorifyState.specialize(name)
+        raise TensorifyScalarRestartAnalysis
+
+
 def _compile(gm, example_inputs, options, mode):
     # A typo in options is an error now, not a silently different compile.
     options = Options.from_user(options)
@@ -101,6 +128,9 @@ def _compile(gm, example_inputs, options, mode):
         raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
     # Someone may have replaced Dynamo's ignore set since the backend was looked up.
     ignore_logging_calls()
+    # torch.compile(dynamic=True): Python floats made symbolic inputs are specialized now, while
+    # Dynamo can still restart (the fused step is lowered at its first call, too late for that).
+    _specialize_symbolic_floats(gm)
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.

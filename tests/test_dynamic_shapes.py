@@ -96,6 +96,24 @@ def test_inductor_lowering_with_changing_lengths():
     assert params <= TOL and state <= TOL
 
 
+@pytest.mark.parametrize("lr", [1e-2, "tensor"])
+def test_compiled_with_dynamic_true(lr):
+    """torch.compile(..., dynamic=True): its config reached optpass's trace of torch.optim's step,
+    which made every float of a param group symbolic; Adam reads betas with .item() and the first
+    step raised DataDependentOutputException (found by a fresh-user check)."""
+    twin = Twin(lambda: TinyLM(LMConfig(n_layers=1)),
+                lambda m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2) if lr == "tensor" else lr))
+    eager = make_step(twin.eager_model, twin.eager_opt, lm_loss)
+    step = torch.compile(make_step(twin.compiled_model, twin.compiled_opt, lm_loss), backend="optpass",
+                         dynamic=True, options={"lower": "eager", "optimizer": twin.compiled_opt,
+                                                "optimizer_in_backward": True})
+    for i, (batch, length) in enumerate(SHAPES[:3]):
+        x, y = lm_batch(i, batch, length)
+        assert step(x, y).item() == pytest.approx(eager(x, y).item(), rel=1e-9)
+    params, state = twin.diffs()
+    assert params <= TOL and state <= TOL
+
+
 def test_gradient_accumulation_with_changing_lengths():
     """accumulation_steps=2: the accumulating graph and the fused one both see every length."""
     K = 2

@@ -203,8 +203,11 @@ def _record(optimizer, roles: Callable[[], dict[int, tuple]], scalars: bool = Fa
             return tuple(outputs)
         return no_op
 
-    # Static shapes keep the graph free of symbolic sizes, so it lowers to aten on its own.
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), _one_graph():
+    # Static shapes keep the graph free of symbolic sizes, so it lowers to aten on its own; also
+    # when the user's torch.compile(dynamic=True) is what runs this (its config would make every
+    # float of a param group symbolic, and torch.optim reads betas with .item()).
+    static = {} if scalars else {"assume_static_by_default": True}
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, **static), _one_graph():
         torch.compile(_step_with_a_cache_of_its_own(optimizer), backend=recorder, fullgraph=True)()
     graphs = [r for r in recorded if any(n.op in ("call_function", "call_method") for n in r.gm.graph.nodes)]
     # Dynamo keeps the backend (and so this list) alive for the life of the process.
