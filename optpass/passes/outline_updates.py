@@ -4,13 +4,16 @@ Precondition: a rewritten step graph about to be lowered by Inductor, whose upda
 ``REGION_KEY == UPDATE`` (``optimizer_in_backward``, ``master_weights``, ``shard_optimizer``,
 ``loss_scaling`` place them).
 
-Rewrite: the update nodes are split into connected pieces (one parameter's update, or one row
-chunk's). A piece that only reads values made outside it, writes its results into values made
-outside it (the parameter, its state: ``copy_`` or another in-place op) and is used by nothing
-outside it, whose nodes are all aten or prims ops with no collective and no random draw, is replaced
-by one node ``optpass::outlined_update(key, written, read)`` at the place of the piece's last node
-(``kernels/outlined_update.py``). ``key`` names the piece's *kind*: its aten graph with canonical
-names and each input's shape, strides, dtype and device. Other pieces stay inline.
+Rewrite: the update nodes are split into pieces connected through values of more than one element
+(one parameter's update, or one row chunk's; a one-element value such as the step count joins the
+one piece that reads it, and stays inline when several do), less the views of values made outside
+them (a row chunk ``p[a:b]`` stays in the step graph). A piece that only reads values made outside
+it, writes its results into values made outside it (the parameter, its state: ``copy_`` or another
+in-place op) and is used by nothing outside it, whose nodes are all aten or prims ops with no
+collective and no random draw, is replaced by one node ``optpass::outlined_update(key, written,
+read, computed_before)`` at the place of the piece's last node (``kernels/outlined_update.py``).
+``key`` names the piece's *kind*: its aten graph with canonical names and each input's shape,
+strides, dtype and device. Other pieces stay inline.
 
 Effect: Inductor schedules and generates code for one call per parameter instead of its update's
 kernels; each kind of update is compiled once in a process (the first time it runs) and reused by
