@@ -128,9 +128,6 @@ def _compile(gm, example_inputs, options, mode):
         raise OptpassError(f"optpass takes no mode ({mode!r}); configure it with options=. ")
     # Someone may have replaced Dynamo's ignore set since the backend was looked up.
     ignore_logging_calls()
-    # torch.compile(dynamic=True): Python floats made symbolic inputs are specialized now, while
-    # Dynamo can still restart (the fused step is lowered at its first call, too late for that).
-    _specialize_symbolic_floats(gm)
     # Name every value: parameters, the gradients that become p.grad, optimizer state.
     captured = capture(gm)
     # A step whose backward() graph-broke cannot be rewritten: say so once, with the fix.
@@ -172,6 +169,10 @@ def _compile(gm, example_inputs, options, mode):
     runtime.check(gm, captured, options)
     lower = functools.partial(lowering.lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
+        # torch.compile(dynamic=True): Python floats made symbolic are specialized now, while Dynamo
+        # can still restart (this step is lowered at its first call, too late for that); a graph
+        # lowered here restarts through AOTAutograd itself when it must
+        _specialize_symbolic_floats(gm)
         plain = gm.forward if options.accumulation_steps == 1 else lower(gm, example_inputs, {})
         return _with_rank_zeros_buffers(runtime.step(gm, captured, options, plain, lower), gm, captured, options)
     # a micro-step of gradient accumulation (backward, no opt.step()): its gradients stay in .grad
