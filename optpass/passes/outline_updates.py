@@ -37,9 +37,6 @@ import torch.fx
 from optpass.kernels import outlined_update
 from optpass.step import REGION_KEY, UPDATE, is_view
 
-_OPAQUE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "optpass")
-
-
 def run(graph: torch.fx.Graph) -> int:
     """Outline every update piece that can be; return how many were."""
     outlined = 0
@@ -127,17 +124,13 @@ def _static_tensor(value) -> bool:
 
 
 def _written_inputs(node: torch.fx.Node, members: set) -> list[torch.fx.Node]:
-    """The values made outside the piece that ``node`` writes (through views made inside it)."""
+    """The values made outside the piece that ``node`` writes (a view of one is itself made outside
+    the piece: ``_outside_views_left_out``)."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return []
-    written = []
-    for argument, value in zip(node.target._schema.arguments, node.args):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            while isinstance(value, torch.fx.Node) and value in members and is_view(value):
-                value = value.args[0]  # a view made inside the piece: the value it views
-            if isinstance(value, torch.fx.Node) and value not in members:
-                written.append(value)
-    return written
+    return [value for argument, value in zip(node.target._schema.arguments, node.args)
+            if argument.alias_info is not None and argument.alias_info.is_write
+            and isinstance(value, torch.fx.Node) and value not in members]
 
 
 def _outside_views_left_out(piece: list[torch.fx.Node]) -> list[torch.fx.Node]:
