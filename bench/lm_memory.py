@@ -37,6 +37,7 @@ variant alike, where separate processes' medians differ by +-15% between runs.
     python3 bench/lm_memory.py                         # every model, fp32 and bf16
     python3 bench/lm_memory.py --models gpt-tied --precisions fp32
     python3 bench/lm_memory.py --interleaved --steps 20 --disable logits_gradient_in_place
+    python3 bench/lm_memory.py --precisions fp32 --optimizer adamw8bit   # torchao's 8-bit moments
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ def build_model(name: str):
     return _loss_of(name, model)
 
 
+def make_optimizer(name: str, params):
+    """AdamW (lr 3e-4, weight decay 0.1): torch.optim's with a tensor lr, or one of torchao's low-bit
+    ones (``adamw8bit``, ``adamw4bit``, ``adamwfp8``: its moments quantized, lr a tensor it makes)."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=torch.tensor(3e-4), weight_decay=0.1)
+    import torchao.optim
+
+    classes = {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit,
+               "adamwfp8": torchao.optim.AdamWFp8}
+    return classes[name](params, lr=3e-4, weight_decay=0.1)
+
+
 def run_variant(args) -> None:
     import torch
 
@@ -98,7 +113,7 @@ def run_variant(args) -> None:
         if precision == "bf16":
             model = model.to(torch.bfloat16)
         params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=torch.tensor(3e-4), weight_decay=0.1)
+        opt = make_optimizer(args.optimizer, params)
         g = torch.Generator().manual_seed(1)
         vocab = model.config.vocab_size if hasattr(model, "config") else model.cfg.vocab
         data = [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
@@ -209,7 +224,8 @@ def _loss_of(name: str, model):
 
 def _spawn(args, variant: str) -> dict:
     cmd = child_command(__file__, child=variant, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                        warmup=args.warmup, threads=args.threads, logits_in_chunks=args.logits_in_chunks)
+                        warmup=args.warmup, threads=args.threads, logits_in_chunks=args.logits_in_chunks,
+                        optimizer=args.optimizer)
     with empty_cache_dir(variant) as cache_dir:
         return run_child(cmd, child_env(args.threads, cache_dir), args.child_timeout)
 
@@ -267,9 +283,13 @@ def main(argv=None) -> None:
                         help="step time only: every variant in one process, called in turn (fp32)")
     parser.add_argument("--disable", type=lambda s: s.split(","), default=[],
                         help="with --interleaved: also optpass without these passes")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit", "adamw4bit", "adamwfp8"),
+                        help="torch.optim's AdamW, or one of torchao's low-bit AdamWs (fp32 parameters only)")
     parser.add_argument("--json", default=None, help="write every child's numbers here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.optimizer != "adamw" and (args.interleaved or "bf16" in args.precisions):
+        parser.error(f"--optimizer {args.optimizer}: fp32 parameters only (--precisions fp32), no --interleaved")
     if args.child:
         run_variant(args)
     elif args.interleaved:

@@ -52,6 +52,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from optpass.analysis.diff import graph_text
 from optpass.errors import OptpassError
+from optpass.optim import low_bit_states
 from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
 from optpass.options import OptimizerList
@@ -307,23 +308,39 @@ def _tensor_roles(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tenso
     return role_of
 
 
-def _take_created_state(optimizer, names: dict[str, torch.Tensor], entry: _Recorded) -> dict[int, tuple[str, str]]:
+def _state_before(optimizer, names: dict[str, torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """The state tensors that exist before the trace, by (id(parameter), key)."""
+    return {(id(p), key): value for p in names.values() for key, value in optimizer.state.get(p, {}).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def _take_created_state(optimizer, names: dict[str, torch.Tensor], entry: _Recorded,
+                        before: dict[tuple[int, str], torch.Tensor]) -> dict[int, tuple[str, str]]:
     """Which of the graph's outputs Dynamo stored into opt.state (state the update creates).
 
-    Removes those stand-ins from opt.state again: the fused step creates the real ones.
-    Returns Dynamo output index -> (parameter name, state key)."""
+    Removes those stand-ins from opt.state again: the fused step creates the real ones. An output
+    stored under a key whose tensor existed before the trace is that tensor written in place and
+    stored back (torchao's ``state["step"] += 1``): the graph's ``copy_`` into the input is its write,
+    and the tensor goes back into opt.state. Returns Dynamo output index -> (parameter name, state key)."""
     index_of = {id(t): i for i, t in enumerate(entry.outputs) if isinstance(t, torch.Tensor)}
     created: dict[int, tuple[str, str]] = {}
+    stored_back: set[int] = set()
     for name, p in names.items():
         state = optimizer.state.get(p)
         if not state:
             continue
         for key in [k for k, v in state.items() if id(v) in index_of]:
-            created[index_of[id(state[key])]] = (name, key)
+            index = index_of[id(state[key])]
+            if (id(p), key) in before:
+                state[key] = before[(id(p), key)]
+                stored_back.add(index)
+                continue
+            created[index] = (name, key)
             del state[key]
         if not state:
             del optimizer.state[p]
-    unplaced = [i for i, t in enumerate(entry.outputs) if isinstance(t, torch.Tensor) and i not in created]
+    unplaced = [i for i, t in enumerate(entry.outputs)
+                if isinstance(t, torch.Tensor) and i not in created and i not in stored_back]
     if unplaced:
         raise OptpassError(
             f"{type(optimizer).__name__}.step() returns {len(unplaced)} value(s) that are not optimizer "
@@ -338,6 +355,8 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     ``OptimizerList`` (several optimizers): each member's update, harvested from that member."""
     if isinstance(optimizer, OptimizerList):
         return _harvest_each_member(optimizer, names)
+    if low_bit_states.is_low_bit(optimizer):
+        low_bit_states.create_missing_state(optimizer, list(names.values()))
     representative = _representatives(optimizer, names)
     if representative is not None:
         return _harvest_representatives(optimizer, names, representative)
@@ -345,7 +364,8 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     updates: dict[str, ParameterUpdate] = {}
     graphs, created = [], {}
-    with _harvest_setup(optimizer, params) as float_lrs:
+    with _harvest_setup(optimizer, params) as float_lrs, low_bit_states.traceable(optimizer, params):
+        before = _state_before(optimizer, names)
         recorded, scalars = _record_update_graphs(optimizer, params, float_lrs,
                                                   lambda: _tensor_roles(optimizer, names))
         for entry in recorded:
@@ -355,7 +375,7 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
             role_of = _tensor_roles(optimizer, names)
             attr_roles = {n.target: role_of.get(id(getattr(entry.gm, n.target, None)), ("unknown", n.target))
                           for n in entry.gm.graph.nodes if n.op == "get_attr"}
-            output_roles = _take_created_state(optimizer, names, entry)
+            output_roles = _take_created_state(optimizer, names, entry, before)
             entry.outputs.clear()
             aten = _to_aten(entry.gm, entry.example_inputs)
             graphs.append(aten)
@@ -383,13 +403,13 @@ def _representatives(optimizer, names: dict[str, torch.Tensor]) -> dict[str, str
     """Each parameter's representative: the first of `names` alike in group, shape, strides, dtype,
     device and state layout. None when every parameter is its own, or the optimizer is not one of
     torch.optim's per-parameter classes (exactly: a subclass may override step)."""
-    if type(optimizer) not in _PER_PARAMETER_OPTIMIZERS:
+    if type(optimizer) not in _PER_PARAMETER_OPTIMIZERS + low_bit_states.per_parameter_classes():
         return None
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     first: dict[tuple, str] = {}
     representative = {}
     for name, p in names.items():
-        state = tuple((key, (tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor)
+        state = tuple((key, (low_bit_states.layout_of(v), v.stride()) if isinstance(v, torch.Tensor)
                        else type(v).__name__) for key, v in sorted(optimizer.state.get(p, {}).items()))
         signature = (group_of.get(id(p)), tuple(p.shape), p.stride(), p.dtype, p.device, state)
         representative[name] = first.setdefault(signature, name)
@@ -471,6 +491,23 @@ def _to_aten(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.Graph:
     return captured[0]
 
 
+def _input_role(desc, placeholder_roles, attr_roles) -> tuple:
+    """What an input of the aten update graph is, from AOTAutograd's description of it. An inner
+    tensor of a state that is a tensor subclass (torchao's quantized moments: ``codes``, ``scale``)
+    is state too, under the key ``"<key>.<attribute>"`` (``low_bit_states.state_value`` reads it)."""
+    kind = type(desc).__name__
+    if kind == "PlainAOTInput":
+        return placeholder_roles[desc.idx]
+    if kind == "SubclassGetAttrAOTInput":
+        role, value = _input_role(desc.base, placeholder_roles, attr_roles)
+        if role == "state":
+            return role, (value[0], f"{value[1]}.{desc.attr}")
+        return "unknown", str(desc)
+    if hasattr(desc, "target"):                      # ParamAOTInput / BufferAOTInput
+        return attr_roles.get(desc.target, ("unknown", desc.target))
+    return "unknown", str(desc)
+
+
 def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, group_of, names, float_groups):
     """Per parameter: the nodes that compute its new value and state, and what they write; a
     product with a float lr made a tensor rounds as the float's (``optim/float_lr.py``).
@@ -480,13 +517,7 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
-        desc = node.meta.get("desc")
-        if type(desc).__name__ == "PlainAOTInput":
-            role, value = placeholder_roles[desc.idx]
-        elif hasattr(desc, "target"):                      # ParamAOTInput / BufferAOTInput
-            role, value = attr_roles.get(desc.target, ("unknown", desc.target))
-        else:
-            role, value = "unknown", str(desc)
+        role, value = _input_role(node.meta.get("desc"), placeholder_roles, attr_roles)
         if role == "param":
             param_ph[value] = node
         elif role == "gradient":

@@ -26,6 +26,9 @@ backward, then costs one chunk instead of the whole.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import torch
 import torch.fx
 
@@ -43,15 +46,23 @@ MAX_CHUNKS = 16
 
 def row_chunks(update, gradient: torch.fx.Node) -> list[tuple[int, int]] | None:
     """The row ranges to make and apply `gradient` in, or None when it is made whole: it is small,
-    not one GEMM, or the update is not elementwise over parameter-shaped values."""
+    not one GEMM, or the update cannot run on rows alone (``row_layout``)."""
     value = _val(gradient)
     if value is None or value.dim() != 2 or gradient_rows(gradient, 0, 1) is None:
         return None
     rows, nbytes = value.shape[0], value.numel() * value.element_size()
-    if not isinstance(rows, int) or nbytes <= 2 * ROW_CHUNK_BYTES or not _elementwise(update, tuple(value.shape)):
+    if not isinstance(rows, int) or nbytes <= 2 * ROW_CHUNK_BYTES:
         return None
+    layout = row_layout(update, rows)
+    if layout is None:
+        return None
+    # every chunk boundary a whole number of each value's leading entries (an 8-bit moment's scales:
+    # one per block of 256 elements)
+    align = math.lcm(*(f.denominator for f in layout.values()))
     count = min(MAX_CHUNKS, -(-nbytes // ROW_CHUNK_BYTES))
-    per_chunk = -(-rows // count)
+    per_chunk = -(-(-(-rows // count)) // align) * align
+    if per_chunk >= rows:
+        return None
     return [(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
 
 
@@ -63,8 +74,8 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
     parameter whose fp32 master ``env[update.param]`` is), each chunk's gradient rows are cast to
     the master's dtype and the chunk's new master rows are rounded into the parameter's rows
     (master_weights). Returns the inserted nodes."""
-    shape = tuple(_val(update.param).shape)
-    per_row = _parameter_shaped(update, shape)
+    layout = row_layout(update, _val(update.param).shape[0])
+    per_row = set(layout)
     inserted = []
     shared = dict(env)
     for node in update.nodes:                       # the scalars, once
@@ -76,7 +87,9 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
         chunk_env = dict(shared)
         for placeholder in per_row:
             if placeholder.op == "placeholder" and placeholder is not update.gradient:
-                chunk_env[placeholder] = _emit(step, inserted, aten.slice.Tensor, env[placeholder], 0, start, end)
+                f = layout[placeholder]
+                chunk_env[placeholder] = _emit(step, inserted, aten.slice.Tensor, env[placeholder], 0,
+                                               int(start * f), int(end * f))
         rows = gradient_rows(gradient, start, end, step, inserted, after=previous_write)
         master_dtype = _val(env[update.param]).dtype
         if _val(rows).dtype != master_dtype:
@@ -84,7 +97,7 @@ def copy_slice_in_row_chunks(step, update, env: dict, gradient: torch.fx.Node, c
         chunk_env[update.gradient] = rows
         for node in update.nodes:
             if node in per_row:
-                inserted.append(copy_node(step, node, chunk_env))
+                inserted.append(_copy_on_rows(step, node, chunk_env, int((end - start) * layout[node])))
         for target in row_targets:
             inserted.append(step.write_update(chunk_env[target], chunk_env[update.writes[target]]))
             previous_write = inserted[-1]
@@ -176,31 +189,116 @@ def _gemm_rows(gradient: torch.fx.Node, start: int, end: int, step=None, inserte
     return _emit(step, inserted, aten.mm.default, _emit(step, inserted, aten.slice.Tensor, a, 0, start, end), b)
 
 
-def _parameter_shaped(update, shape: tuple) -> set[torch.fx.Node]:
-    placeholders = [update.param, update.gradient, *update.states.values()]
-    return {n for n in [*placeholders, *update.nodes] if _val(n) is not None and tuple(_val(n).shape) == shape}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_REDUCTIONS = {aten.amax.default, aten.amin.default, aten.sum.dim_IntList, aten.mean.dim}
 
 
-def _elementwise(update, shape: tuple) -> bool:
-    """Every parameter-shaped value is made elementwise from parameter-shaped values and scalars,
-    no scalar is made from a parameter-shaped value, and every write is parameter-shaped or a scalar.
+def row_layout(update, rows: int) -> dict[torch.fx.Node, Fraction] | None:
+    """Whether `update` can run on rows ``a:b`` of its parameter alone, and how: each of its values
+    that holds rows (the parameter, its gradient, state, and what is made from them), mapped to
+    its leading size over the parameter's rows. None when it cannot.
 
-    Stricter than ``optim.elementwise`` (ZeRO-1's test, which harvests a new update for the shard's
-    shape): each node here is copied onto a chunk as it is, so an op that names the parameter's
-    shape (a ``full``, a ``view``) cannot be among them."""
-    per_row = _parameter_shaped(update, shape)
-    if update.param not in per_row or update.gradient not in per_row:
-        return False
+    Rows ``a:b`` of a ``[rows, ...]`` parameter are its elements ``a*n:b*n`` (``n`` a row's), and a
+    value laid out in the same order under another shape holds them in its leading entries
+    ``a*f:b*f`` (``f`` = its leading size / rows): an Adam moment ``f = 1``; torchao's 8-bit moment's
+    scales, one per block of 256 elements, ``f = n / 256``; its codes, viewed ``[blocks, 256]``, too.
+    Allowed on such values: elementwise ops (their other inputs scalars, or values that hold no
+    rows and broadcast over the leading dimension), reshapes, reductions over other dimensions
+    than the leading one, and lookups ``index(table, [codes])`` into a value that holds no rows
+    (an 8-bit moment's quantization map, read whole). Every write of a value that holds rows is
+    one, and no scalar is made from rows (a norm over the whole parameter cannot be cut)."""
+    param, gradient = update.param, update.gradient
+    rows = _static_int(rows)
+    if rows is None:
+        return None
+    placeholders = [param, gradient, *update.states.values()]
+    layout: dict[torch.fx.Node, Fraction] = {}
+    for node in placeholders:
+        value = _val(node)
+        if value is None:
+            return None
+        if value.dim() >= 1 and value.numel() > 1 and not _only_looked_up(node, update):
+            leading = _static_int(value.shape[0])
+            if leading is None:
+                return None                             # a symbolic size: no fixed chunks
+            layout[node] = Fraction(leading, rows)
+    if layout.get(param) != 1 or layout.get(gradient) != 1:
+        return None
     for node in update.nodes:
         inputs = node.all_input_nodes
-        if node in per_row:
-            # an update's functional copy(param, value) is elementwise too
-            pointwise = is_elementwise(node) or node.target is aten.copy.default
-            if not pointwise or any(i not in per_row and not _is_scalar(i) for i in inputs):
-                return False
-        elif not _is_scalar(node) or any(i in per_row for i in inputs):
-            return False
-    return all(t in per_row or _is_scalar(t) for t in update.writes)
+        held = [i for i in inputs if i in layout]
+        if not held:
+            continue                                    # holds no rows: made once, shared by the chunks
+        factor = _rows_factor(node, held, layout)
+        if factor is None:
+            return None
+        layout[node] = factor
+    for target, value in update.writes.items():
+        if layout.get(target) != layout.get(value):
+            return None
+    return layout
+
+
+def _rows_factor(node: torch.fx.Node, held: list[torch.fx.Node], layout: dict) -> Fraction | None:
+    """The leading size over rows of `node`, made from the row-holding inputs `held`; None where
+    `node` would mix rows (or name the whole parameter's size in a way a chunk cannot keep)."""
+    out = _val(node)
+    if out is None or out.dim() == 0 or _static_int(out.shape[0]) is None:
+        return None                                     # a scalar made from rows, or a symbolic size
+    first = held[0]
+    if is_elementwise(node) or node.target is aten.copy.default:
+        factor = layout[first]
+        if any(layout[i] != factor or _val(i).shape[0] != out.shape[0] for i in held):
+            return None
+        others = [i for i in node.all_input_nodes if i not in layout]
+        if any(not _is_scalar(i) and _val(i).dim() >= out.dim() for i in others):
+            return None                                 # a whole value along the leading dimension
+        return factor
+    if node.target in (aten.alias.default, aten.clone.default) and out.shape == _val(first).shape:
+        return layout[first]
+    if node.target in _VIEWS and node.args[0] is first:
+        return Fraction(_static_int(out.shape[0]), _static_int(_val(first).shape[0])) * layout[first]
+    if node.target in _REDUCTIONS and node.args[0] is first and len(held) == 1:
+        dims = node.args[1] if len(node.args) > 1 else None
+        if not dims or any(d % _val(first).dim() == 0 for d in dims) or out.shape[0] != _val(first).shape[0]:
+            return None
+        return layout[first]
+    if node.target is aten.index.Tensor and node.args[0] not in layout:
+        indices = node.args[1]
+        if len(indices) == 1 and indices[0] in layout:
+            return Fraction(_static_int(out.shape[0]), _static_int(_val(indices[0]).shape[0])) * layout[indices[0]]
+    return None
+
+
+def _static_int(size) -> int | None:
+    """A size as an int: a SymInt whose value is fixed (explain's fake values carry those) too."""
+    if isinstance(size, int):
+        return size
+    return size.node.maybe_as_int() if isinstance(size, torch.SymInt) else None
+
+
+def _only_looked_up(node: torch.fx.Node, update) -> bool:
+    """A state input read only as a table (``index(table, ...)``, ``select(table, ...)``) and never
+    written: an 8-bit moment's quantization map, read whole by every chunk."""
+    if node in update.writes:
+        return False
+    users = [u for u in node.users if u in set(update.nodes)]
+    return bool(users) and all(u.target in (aten.index.Tensor, aten.select.int) and u.args[0] is node
+                               and node not in u.args[1:] for u in users)
+
+
+def _copy_on_rows(step, node: torch.fx.Node, env: dict, leading: int) -> torch.fx.Node:
+    """``copy_node`` for a value that holds rows; a reshape gets the chunk's leading size."""
+    if node.target not in _VIEWS:
+        return copy_node(step, node, env)
+    size = list(node.args[1])
+    if size[0] != -1:
+        size[0] = leading
+    copy = step.graph.call_function(node.target, (env[node.args[0]], size))
+    copy.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "original_aten")}
+    step.set_fake_value(copy)
+    env[node] = copy
+    return copy
 
 
 def _is_scalar(node: torch.fx.Node) -> bool:

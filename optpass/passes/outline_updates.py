@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from optpass.kernels import outlined_update
-from optpass.step import REGION_KEY, UPDATE, is_view
+from optpass.step import REGION_KEY, UPDATE, is_view, view_base
 
 def run(graph: torch.fx.Graph) -> int:
     """Outline every update piece that can be; return how many were."""
@@ -140,10 +140,31 @@ def _outside_views_left_out(piece: list[torch.fx.Node]) -> list[torch.fx.Node]:
     makes it a scatter into a copy of it): every chunk's call copied the whole parameter and its
     state (measured: a step of a TinyLM with an 8 MiB embedding grew 38.8 MiB, against 2.8 inline)."""
     members = set(piece)
+    left_out = []
     for n in piece:                         # graph order: a view of a view left out is left out too
         if is_view(n) and all(source not in members for source in n.all_input_nodes):
             members.discard(n)
+            left_out.append(n)
+    # A view whose source the piece reads as well stays in it: two inputs of the call would alias
+    # (an 8-bit moment's scales, written, and their [-1, 1] view, read), and AOTAutograd's
+    # synthetic base for aliased inputs sized the compiled kind's input from the first call's base.
+    changed = True
+    while changed:
+        inputs = {source for n in members for source in n.all_input_nodes if source not in members}
+        pulled = [v for v in left_out if v not in members and v in inputs and _view_sources(v) & inputs]
+        members.update(pulled)
+        changed = bool(pulled)
     return [n for n in piece if n in members]
+
+
+def _view_sources(view: torch.fx.Node) -> set[torch.fx.Node]:
+    """What a chain of views reads, down to the value it starts from (not `view` itself)."""
+    sources = set()
+    node = view
+    while is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+        sources.add(node)
+    return sources
 
 
 def _outline(graph: torch.fx.Graph, piece: list[torch.fx.Node], position: dict) -> bool:
@@ -162,6 +183,9 @@ def _outline(graph: torch.fx.Graph, piece: list[torch.fx.Node], position: dict) 
                 inputs.append(source)
     if not all(_static_tensor(n.meta.get("val")) for n in inputs):
         return False  # a symbolic size or another non-tensor input: keep it inline
+    roots = [view_base(n) for n in inputs]
+    if len(set(roots)) != len(roots):
+        return False  # two inputs alias (views of one value that neither reads through the other)
     written = []
     for n in piece:
         for value in _written_inputs(n, members):

@@ -66,6 +66,7 @@ from optpass.capture import CapturedGraph, GraphKind
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.shard import optimizer_shard_spec
 from optpass.optim.harvest import CreatedState, HarvestedUpdate, harvest_update
+from optpass.optim.low_bit_states import layout_of, state_value
 from optpass.passes import loss_scaling
 from optpass.passes._graph_utils import GRAD_NORM_OUTPUT, keep_updates_where_gradients_die
 from optpass.passes.optimizer_in_backward import CONTEXT_KEY
@@ -347,7 +348,7 @@ class FusedStep:
             scaling = grad_scaler.graph_inputs(scaler, device) if scaler else []
             norm = [grad_norm.out(self.fused.values())] if norm_names else []
             return (lrs + scaling + norm + [names[n] for n in separate]
-                    + [optimizer.state[p][key] for p, key in existing] + [spec.allocate() for spec in created.values()])
+                    + [state_value(optimizer.state[p], key) for p, key in existing] + [spec.allocate() for spec in created.values()])
 
         inputs = extras()
         # Compile from the graph's own (fake, possibly symbolic) inputs, not from this call's
@@ -390,7 +391,7 @@ def symbolic_inputs(gm: torch.fx.GraphModule, args: list, extras: list) -> list:
 
 def _layout_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype, value.device
+        return layout_of(value)
     return type(value).__name__
 
 

@@ -1,0 +1,114 @@
+"""torchao's low-bit optimizers (``AdamW8bit``, ``Adam4bit``, ``AdamWFp8``, ...), made traceable for
+the harvest, with their state kept as torchao's tensor subclasses.
+
+torchao's ``_AdamBase.step`` keeps each moment as a tensor subclass (``OptimState8bit``: uint8
+``codes``, one fp32 ``scale`` per block of 256, a 256-entry ``qmap``; ``OptimState4bit`` packs two
+codes a byte; ``OptimStateFp8`` holds float8 codes) and, per parameter, calls
+``torch.compile(single_param_adam)``, which dequantizes, steps and requantizes. Traced whole by
+Dynamo (the harvest, ``optim/harvest.py``), that step is one graph once two things are out of the way:
+
+* **state creation.** torchao creates a parameter's state inside ``step`` (not in an
+  ``_init_group`` that Dynamo runs eagerly, as torch.optim does), and building a quantization map
+  reads ``tolist()``, which Dynamo cannot trace. optpass creates the missing state before tracing,
+  with torchao's own ``_new_buffer`` and the values torchao's first step gives it (``step`` 0,
+  zero moments), exactly as that step would;
+* **``torch._dynamo.utils.disable_cache_limit()``**, a context manager Dynamo skips (a graph break
+  under ``fullgraph=True``), around the per-parameter calls: a no-op while tracing (the harvest
+  compiles nothing for real).
+
+The nested ``torch.compile(single_param_adam)`` is inlined by Dynamo. AOTAutograd flattens each
+subclass state into its inner tensors, so the harvested graph reads and writes ``codes`` and
+``scale`` as plain tensors; the harvest names them ``"exp_avg.codes"``, ``"exp_avg.scale"``
+(``state_value`` reads such a key from ``opt.state``). The fused step then passes the inner
+tensors, and Inductor fuses dequantize, update and requantize into the step's backward, right
+after each gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+import torch
+
+
+def _adam_base() -> type | None:
+    """torchao's base class of its low-bit Adam optimizers, if torchao's optimizers are loaded (a
+    user's optimizer of that class has imported them; optpass never imports torchao itself)."""
+    module = sys.modules.get("torchao.optim.adam")
+    return getattr(module, "_AdamBase", None) if module is not None else None
+
+
+def is_low_bit(optimizer) -> bool:
+    base = _adam_base()
+    return base is not None and isinstance(optimizer, base)
+
+
+def per_parameter_classes() -> tuple[type, ...]:
+    """torchao's low-bit Adam classes whose update is per parameter (one ``single_param_adam`` each):
+    two parameters alike in group, shape and state layout get the same update graph."""
+    base = _adam_base()
+    if base is None:
+        return ()
+    module = sys.modules["torchao.optim.adam"]
+    names = ("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8")
+    return tuple(getattr(module, n) for n in names if isinstance(getattr(module, n, None), type))
+
+
+def create_missing_state(optimizer, params: list[torch.Tensor]) -> None:
+    """The state torchao's first ``step`` creates for each of `params` that has none: ``step`` a 0-d
+    0.0, ``exp_avg`` (signed) and ``exp_avg_sq`` (unsigned) from torchao's ``_new_buffer`` (a
+    quantized subclass for a tensor of 4096 elements or more whose size the block size divides, else
+    fp32 zeros), and ``max_exp_avg_sq`` where the group has amsgrad."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for p in params:
+        if optimizer.state.get(p):
+            continue
+        state = optimizer.state[p]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = optimizer._new_buffer(p, True)
+        state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+        if group_of[id(p)].get("amsgrad"):
+            state["max_exp_avg_sq"] = optimizer._new_buffer(p, False)
+
+
+@contextlib.contextmanager
+def traceable(optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """While the harvest traces `optimizer`'s step: its state exists and ``disable_cache_limit`` is a
+    no-op. Nothing for an optimizer that is not one of torchao's low-bit ones."""
+    if not is_low_bit(optimizer):
+        yield
+        return
+    create_missing_state(optimizer, params)
+    import torch._dynamo.utils as dynamo_utils
+
+    saved = dynamo_utils.disable_cache_limit
+    dynamo_utils.disable_cache_limit = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        dynamo_utils.disable_cache_limit = saved
+
+
+def state_value(state: dict, key: str) -> torch.Tensor:
+    """``state[key]``, where a key the harvest made for a tensor subclass's inner tensor
+    (``"exp_avg.codes"``) reads that attribute of ``state["exp_avg"]``."""
+    if key in state:
+        return state[key]
+    head, *attributes = key.split(".")
+    value = state[head]
+    for attribute in attributes:
+        value = getattr(value, attribute)
+    return value
+
+
+def layout_of(value) -> tuple:
+    """What the update graph depends on in a state value: a plain tensor's shape, dtype and device;
+    a tensor subclass's type and its inner tensors' layouts (an 8-bit moment and fp32 zeros of one
+    shape look alike from outside)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+        return tuple(value.shape), value.dtype, value.device
+    names, _ = value.__tensor_flatten__()
+    return (type(value).__name__, tuple(value.shape), value.dtype,
+            tuple((n, layout_of(getattr(value, n))) for n in names))
