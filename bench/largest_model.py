@@ -29,6 +29,7 @@ that keep freed memory, about 1 GiB of RSS over the live tensors on both sides a
 backward, over the ranks; RSS adds the process's baseline and, for optpass, what compiling holds.
 
     python3 bench/largest_model.py --cap-gib 2.5 --width 1024 --layers 2 4 6 8 10 12 14 16 18 20 22 24
+    python3 bench/largest_model.py --optimizer adamw8bit --sides fsdp2 optpass ...   # torchao 8-bit moments
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def rank_main(args) -> None:
     cap.phase = "build"
     with live.mark("build"):
         model, params = build_sharded(args.side, args)
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
+        if args.optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
+        else:                                  # torchao's: Adam's moments in 8 bits (its lr a tensor it makes)
+            import torchao.optim
+
+            opt = torchao.optim.AdamW8bit(model.parameters(), lr=1e-4)
     rss_peak_until = {"build": proc_status_kib("VmHWM") * 1024}   # the peak RSS up to the end of each phase
     step = training_step(lambda tokens, labels: model(input_ids=tokens, labels=labels).loss, opt)
     if args.side != "fsdp2":
@@ -136,7 +142,8 @@ def rank_main(args) -> None:
 def trial(side: str, layers: int, args) -> dict:
     """One side on one rung in fresh rank processes: their results, or why they did not train."""
     cmd = child_command(__file__, child=True, side=side, world=args.world, layers=layers, width=args.width,
-                        vocab=args.vocab, batch=args.batch, seq=args.seq, steps=args.steps, cap_gib=args.cap_gib)
+                        vocab=args.vocab, batch=args.batch, seq=args.seq, steps=args.steps, cap_gib=args.cap_gib,
+                        optimizer=args.optimizer)
     report_dir = tempfile.mkdtemp(prefix="optpass-bench-largest-")
     try:
         with empty_cache_dir(f"largest-{side}-{layers}") as cache:
@@ -238,6 +245,8 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", type=int, default=2 ** 20,
                         help="glibc's MALLOC_MMAP_THRESHOLD_ for every rank of both sides (bytes; 0: glibc's "
                              "default, a threshold that grows to 32 MiB as large blocks are freed)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"),
+                        help="fp32 AdamW, or torchao's AdamW8bit (both sides; the moments 1 byte each)")
     parser.add_argument("--json", help="write every trial here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
@@ -254,7 +263,7 @@ def main() -> None:
     malloc = (f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else
               "glibc's default mmap threshold")
     print(f"Llama, width {args.width}, vocab {args.vocab}, rungs of {args.layers} layers; {args.world} gloo ranks "
-          f"capped at {args.cap_gib} GiB RSS each ({malloc}); fp32 AdamW, {args.steps} steps of {args.batch} x "
+          f"capped at {args.cap_gib} GiB RSS each ({malloc}); {args.optimizer}, {args.steps} steps of {args.batch} x "
           f"{args.seq} tokens")
     print("\n| side | layers | params M | trained | live peak GiB (rank 0 / 1) | live peak bytes per param of "
           "the rank's share | peak RSS GiB | RSS before build GiB | first step s | later steps s |")

@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None, help="write every child's numbers here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.optimizer != "adamw" and (args.interleaved or "bf16" in args.precisions):
+    if not args.child and args.optimizer != "adamw" and (args.interleaved or "bf16" in args.precisions):
         parser.error(f"--optimizer {args.optimizer}: fp32 parameters only (--precisions fp32), no --interleaved")
     if args.child:
         run_variant(args)

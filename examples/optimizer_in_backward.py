@@ -328,6 +328,54 @@ print("\nNo update was applied: the parameters are unchanged.")
 # `clip_grad_norm_` and compile without `optimizer_in_backward`, or drop the
 # global clipping.
 #
+# ## 5. Low-bit optimizer state: torchao's AdamW8bit
+#
+# Fusing the update removes the gradients; what is left is the parameters and the
+# optimizer's state. torchao's low-bit optimizers shrink the state: `AdamW8bit`
+# keeps each moment in one byte per element plus an fp32 scale per block of 256
+# (`pip install "optpass[torchao]"`). optpass fuses torchao's own update
+# (dequantize, step, requantize) into backward, as it does torch.optim's.
+# The state stays torchao's, so `state_dict()` and checkpoints work as before.
+#
+# The eager twin trains with the same torchao optimizer. Its gradients round a
+# little differently from the compiled step's, and a moment near a quantization
+# boundary can then take the neighbouring code: the two runs drift apart faster
+# than with fp32 AdamW (docs/low_bit_optimizers.md), so the check is looser.
+
+# %%
+import importlib.util
+
+if importlib.util.find_spec("torchao") is None:
+    print("torchao is not installed: pip install 'optpass[torchao]'")
+else:
+    import torchao.optim
+
+    torch.manual_seed(0)
+    low_bit_model = MLP((1024, 1024, 1024))          # two 1024x1024 layers: quantized moments
+    low_bit_opt = torchao.optim.AdamW8bit(low_bit_model.parameters(), lr=1e-3)
+    twin = copy.deepcopy(low_bit_model)
+    twin_opt = torchao.optim.AdamW8bit(twin.parameters(), lr=1e-3)
+    low_bit_step = torch.compile(
+        make_train_step(low_bit_model, low_bit_opt),
+        backend="optpass",
+        options={"optimizer": low_bit_opt, "optimizer_in_backward": True, "lower": "eager"},
+    )
+    twin_step = make_train_step(twin, twin_opt)
+    for i in range(4):
+        x, y = torch.randn(16, 1024, generator=data), torch.randn(16, 1024, generator=data)
+        low_bit_step(x, y)
+        twin_step(x, y)
+    max_diff = max((p - q).abs().max().item() for p, q in zip(low_bit_model.parameters(), twin.parameters()))
+    weight = low_bit_model[0].weight
+    moment = low_bit_opt.state[weight]["exp_avg"]
+    held = (weight.numel() * 4 + sum(low_bit_opt.state[weight][k].codes.numel() + low_bit_opt.state[weight][k].scale.numel() * 4
+                                     for k in ("exp_avg", "exp_avg_sq")))
+    print(f"max |param - eager torchao param| after 4 steps: {max_diff:.1e}")
+    print(f"exp_avg is {type(moment).__name__}; weight + state: {held / weight.numel():.2f} bytes per parameter")
+    assert type(moment).__name__ == "OptimState8bit" and max_diff < 1e-3
+    assert all(p.grad is None for p in low_bit_model.parameters())
+
+# %% [markdown]
 # ## Summary
 #
 # * `options={"optimizer": opt, "optimizer_in_backward": True}` runs each
@@ -337,3 +385,5 @@ print("\nNo update was applied: the parameters are unchanged.")
 #   memory for all gradients at the end of backward is gone.
 # * optpass proves the rewrite is legal on your step, and refuses with the
 #   offending line when it is not.
+# * torchao's low-bit optimizers fuse the same way: about 6 bytes per parameter
+#   with `AdamW8bit`, where fp32 AdamW with every gradient alive holds 16.

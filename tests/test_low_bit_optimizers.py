@@ -71,8 +71,9 @@ def test_low_bit_update_in_backward_equals_inductors_compiled_step(name):
 
 
 def test_adamw4bit_update_in_backward_trains_like_eager_torchao():
-    # Inductor's own compile of AdamW4bit's first step fails in torch (the 4-bit state made while
-    # tracing); the reference is the eager model with torchao's compiled per-parameter step.
+    # Inductor's own compile of AdamW4bit's first step fails on parameters of several shapes (the
+    # 4-bit state made while tracing, under shapes Dynamo made dynamic); the reference is the eager
+    # model with torchao's compiled per-parameter step.
     model, reference = mlp(), mlp()
     opt = ao.AdamW4bit(model.parameters(), lr=1e-3)
     ref_opt = ao.AdamW4bit(reference.parameters(), lr=1e-3)
@@ -146,3 +147,38 @@ def _state_tensors(opt) -> list[torch.Tensor]:
             elif isinstance(value, torch.Tensor):
                 tensors.append(value)
     return tensors
+
+
+def test_zero1_with_a_low_bit_optimizer_is_refused_with_the_alternative():
+    """ZeRO-1 updates flat pieces of buckets: torchao would quantize over a piece, in blocks that are
+    not the parameters' own, a different optimizer from the one-process run. Refused on every rank
+    before any collective, naming fsdp (row shards, as FSDP2 with torchao)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = mlp()
+        opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
+        step = make_step(model, opt, data_parallel="zero1")
+        with pytest.raises(optpass.OptpassError, match=r"data_parallel='zero1' with torchao's AdamW8bit: not "
+                                                       r"supported yet.*Use data_parallel='fsdp'"):
+            step(*batches(1)[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_with_adamw8bit_keeps_each_ranks_quantized_moments_and_trains_like_one_process():
+    """Two ranks, each updating its row shards in backward with torchao's AdamW8bit (its moments
+    quantized over the shard, as FSDP2 with torchao keeps them), beside one process on the whole
+    batch. The ranks' gradients are sums in another order, so codes near a boundary round apart
+    (docs/low_bit_optimizers.md): close, not equal."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    ranks = values(run_ranks(2, workers.fsdp_adamw8bit, timeout_s=900, pg_timeout_s=120))
+    for rank in ranks:
+        assert rank["moment"] == "OptimState8bit" and rank["steps"] == workers.STEPS
+        assert rank["moment_shape"] == rank["shard_shape"] == (512, 1024)
+        assert rank["scales"] == 512 * 1024 // 256                 # its own blocks, on its rows
+        assert rank["vs_one_process"] < 3e-3, rank["vs_one_process"]
+    assert ranks[0]["digest"] == ranks[1]["digest"]                # the ranks hold one model

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from optpass.errors import OptpassError
+from optpass.optim import low_bit_states
 from optpass.optim.harvest import harvest_update
 
 STAND_IN_SHAPE = (3, 4)         # 2-D (Adafactor factors it, Muon accepts it), and no scalar has 12 elements
@@ -122,6 +123,15 @@ def _keeps_elements_apart(node: torch.fx.Node) -> bool:
 def refuse_non_elementwise(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None) -> None:
     """data_parallel='zero1' over an optimizer whose update is not elementwise: an error that says
     which ops and what to do (raised on every rank alike, before any collective)."""
+    if low_bit_states.is_low_bit(optimizer):
+        name = type(optimizer).__name__
+        raise OptpassError(
+            f"data_parallel='zero1' with torchao's {name}: not supported yet. ZeRO-1 updates each rank's "
+            "flat piece of a bucket of parameters, and torchao would quantize the moments over that piece, "
+            "in blocks that are not the parameters' own (and keep fp32 moments where the piece is small): "
+            "a different optimizer from the one-process run, silently. Use data_parallel='fsdp' (each rank "
+            f"keeps {name}'s state for its row shards, as FSDP2 with torchao does), or torch.optim.AdamW "
+            "under zero1.")
     found = non_elementwise_ops(optimizer, dtype)
     if found:
         name = type(optimizer).__name__
