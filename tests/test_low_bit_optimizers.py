@@ -182,3 +182,24 @@ def test_fsdp_with_adamw8bit_keeps_each_ranks_quantized_moments_and_trains_like_
         assert rank["scales"] == 512 * 1024 // 256                 # its own blocks, on its rows
         assert rank["vs_one_process"] < 3e-3, rank["vs_one_process"]
     assert ranks[0]["digest"] == ranks[1]["digest"]                # the ranks hold one model
+
+
+def test_explain_with_a_low_bit_optimizer_shows_the_fused_update():
+    """Under explain's trace torchao's moments came with symbolic sizes, passed as inputs of their own
+    (found by a fresh user: explain refused every torchao optimizer); they are the moments' fixed sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+    before = [p.detach().clone() for p in model.parameters()]
+    text = str(optpass.explain(step, torch.randn(4, 256), torch.randint(0, 8, (4,)),
+                               options={"optimizer": opt, "optimizer_in_backward": True}))
+    assert "pass optimizer_in_backward: applied" in text, text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -508,12 +508,31 @@ def _input_role(desc, placeholder_roles, attr_roles) -> tuple:
     return "unknown", str(desc)
 
 
+def _sizes_as_constants(graph: torch.fx.Graph) -> None:
+    """A tensor subclass's size or stride that AOTAutograd passed as an input of its own (under
+    optpass.explain's trace, torchao's quantized moments came with symbolic sizes) becomes the
+    number it stands for: the update of a parameter has fixed shapes."""
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or type(node.meta.get("desc")).__name__ not in (
+                "SubclassSizeAOTInput", "SubclassStrideAOTInput"):
+            continue
+        value = node.meta.get("val")
+        number = value.node.hint if isinstance(value, torch.SymInt) else value
+        if not isinstance(number, int):
+            continue
+        for user in list(node.users):
+            user.args = torch.fx.map_arg(user.args, lambda n: number if n is node else n)
+            user.kwargs = torch.fx.map_arg(user.kwargs, lambda n: number if n is node else n)
+        graph.erase_node(node)
+
+
 def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, group_of, names, float_groups):
     """Per parameter: the nodes that compute its new value and state, and what they write; a
     product with a float lr made a tensor rounds as the float's (``optim/float_lr.py``).
 
     Returns the slices and the state the update creates ((name, key) -> CreatedState)."""
     param_ph, grad_ph, state_ph, lr_ph = {}, {}, {}, {}
+    _sizes_as_constants(graph)
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
