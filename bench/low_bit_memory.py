@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import child_command, child_env, emit_result, empty_cache_dir, run_child  # noqa: E402
+from _measure import child_command, child_env, emit_result, empty_cache_dir, run_child, training_step  # noqa: E402
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamwfp8", "adamw4bit")
 VARIANTS = ("inductor", "optpass")
@@ -53,14 +53,7 @@ def run_child_variant(args) -> None:
     params = list(model.parameters())
     opt = make_optimizer(name, params)
 
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
+    step = training_step(lambda x, y: torch.nn.functional.mse_loss(model(x), y), opt)
     compiled = (torch.compile(step, backend="inductor") if variant == "inductor" else
                 torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True}))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)

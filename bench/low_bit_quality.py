@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import child_command, child_env, emit_result, empty_cache_dir, run_child  # noqa: E402
+from _measure import child_command, child_env, emit_result, empty_cache_dir, run_child, training_step  # noqa: E402
 
 RUNS = ("optpass-adamw8bit", "eager-adamw8bit", "optpass-adamw")
 
@@ -47,14 +47,7 @@ def run(args) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), weight_decay=0.1)
     lr = opt.param_groups[0]["lr"]
 
-    def step(tokens, targets):
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
+    step = training_step(model.loss, opt)
     if side == "optpass":
         step = torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
     stream = batches(synthetic_corpus(cfg.vocab, 200_000, seed=0), 16, cfg.seq_len, seed=0)
@@ -87,7 +80,7 @@ def main(argv=None) -> None:
     for name, r in results.items():
         losses = r["losses"]
         tenths = [sum(losses[i * tenth:(i + 1) * tenth]) / tenth for i in range(10)]
-        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in tenths) + f" | {sum(losses[-20:]) / 20:.4f} |")
+        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in tenths) + f" | {sum(losses[-20:]) / len(losses[-20:]):.4f} |")
     a, b = results["optpass-adamw8bit"]["weights"], results["eager-adamw8bit"]["weights"]
     worst = max(abs(x - y) for wa, wb in zip(a, b) for x, y in zip(wa, wb))
     print(f"largest difference between the two AdamW8bit runs' parameters (first 4096 entries of each): {worst:.2e}")

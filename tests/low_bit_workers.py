@@ -20,7 +20,8 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 1024, generator=g), torch.randint(0, 16, (16,), generator=g)) for _ in range(STEPS)]
 
 
-def make_step(model, opt, **options):
+def training_step(model, opt):
+    """The supported step shape, cross entropy on `model`'s output."""
     def step(x, y):
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -28,7 +29,16 @@ def make_step(model, opt, **options):
         opt.step()
         opt.zero_grad()
         return out
-    return torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True, **options})
+    return step
+
+
+def make_step(model, opt, **options):
+    """``training_step`` compiled by optpass with the update in backward (``backend="inductor"``: by
+    Inductor, the reference)."""
+    if options.get("backend") == "inductor":
+        return torch.compile(training_step(model, opt), backend="inductor")
+    return torch.compile(training_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "optimizer_in_backward": True, **options})
 
 
 def one_process_adamw8bit() -> dict[str, torch.Tensor]:

@@ -18,25 +18,14 @@ import optpass
 
 ao = pytest.importorskip("torchao.optim")
 
+from low_bit_workers import make_step, training_step  # noqa: E402  (after torchao is known)
+
 
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     # the 2048 x 1024 weights' gradients (8 MiB) are made and updated in row chunks
     return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
-
-
-def make_step(model, opt, **options):
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    if options.get("backend") == "inductor":
-        return torch.compile(step, backend="inductor")
-    return torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True, **options})
 
 
 def batches(n):
@@ -190,16 +179,8 @@ def test_explain_with_a_low_bit_optimizer_shows_the_fused_update():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
-
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
     before = [p.detach().clone() for p in model.parameters()]
-    text = str(optpass.explain(step, torch.randn(4, 256), torch.randint(0, 8, (4,)),
+    text = str(optpass.explain(training_step(model, opt), torch.randn(4, 256), torch.randint(0, 8, (4,)),
                                options={"optimizer": opt, "optimizer_in_backward": True}))
     assert "pass optimizer_in_backward: applied" in text, text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -364,7 +364,7 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     updates: dict[str, ParameterUpdate] = {}
     graphs, created = [], {}
-    with _harvest_setup(optimizer, params) as float_lrs, low_bit_states.traceable(optimizer, params):
+    with _harvest_setup(optimizer, params) as float_lrs, low_bit_states.traceable(optimizer):
         before = _state_before(optimizer, names)
         recorded, scalars = _record_update_graphs(optimizer, params, float_lrs,
                                                   lambda: _tensor_roles(optimizer, names))

@@ -74,13 +74,13 @@ def create_missing_state(optimizer, params: list[torch.Tensor]) -> None:
 
 
 @contextlib.contextmanager
-def traceable(optimizer, params: list[torch.Tensor]) -> Iterator[None]:
-    """While the harvest traces `optimizer`'s step: its state exists and ``disable_cache_limit`` is a
-    no-op. Nothing for an optimizer that is not one of torchao's low-bit ones."""
+def traceable(optimizer) -> Iterator[None]:
+    """While the harvest traces `optimizer`'s step, ``disable_cache_limit`` is a no-op (the harvest
+    has created its state: ``create_missing_state``). Nothing for an optimizer that is not one of
+    torchao's low-bit ones."""
     if not is_low_bit(optimizer):
         yield
         return
-    create_missing_state(optimizer, params)
     import torch._dynamo.utils as dynamo_utils
 
     saved = dynamo_utils.disable_cache_limit

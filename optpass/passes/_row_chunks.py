@@ -60,7 +60,8 @@ def row_chunks(update, gradient: torch.fx.Node) -> list[tuple[int, int]] | None:
     # one per block of 256 elements)
     align = math.lcm(*(f.denominator for f in layout.values()))
     count = min(MAX_CHUNKS, -(-nbytes // ROW_CHUNK_BYTES))
-    per_chunk = -(-(-(-rows // count)) // align) * align
+    per_chunk = -(-rows // count)                  # rounded up, then up to a multiple of align
+    per_chunk = -(-per_chunk // align) * align
     if per_chunk >= rows:
         return None
     return [(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
