@@ -75,3 +75,153 @@ def fsdp_adamw8bit(rank: int, world: int) -> dict:
             "digest": digest, "moment": type(moment).__name__, "moment_shape": tuple(moment.shape),
             "shard_shape": tuple(shard.shape), "scales": moment.scale.numel(),
             "steps": opt.state[shard]["step"].item()}
+
+
+def odd_blocks_mlp() -> torch.nn.Module:
+    """Weights of 24, 24 and 17 blocks of 256 (quantized by torchao, 65 blocks in all: split evenly
+    over 2 ranks without regard to blocks, the chunks would meet inside a block) and a head of 680
+    elements (kept fp32 by torchao)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 68), torch.nn.ReLU(), torch.nn.Linear(68, 10))
+
+
+def odd_blocks_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
+
+
+def one_process(optimizer_class: str):
+    """``odd_blocks_mlp`` and its optimizer after ``STEPS`` steps of one process on the whole batch, fused in backward."""
+    import torchao.optim
+
+    model = odd_blocks_mlp()
+    opt = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+    step = make_step(model, opt)
+    for x, y in odd_blocks_batches():
+        step(x, y)
+    return model, opt
+
+
+def zero1_low_bit(rank: int, world: int, optimizer_class: str = "AdamW8bit") -> dict:
+    """Each rank's rows of each batch under ZeRO-1 with a torchao optimizer, beside one process on the
+    whole batch: the parameters, and this rank's quantized moments block for block against the one
+    process's moments of the same parameter elements (run in this rank: tensors are not sent back)."""
+    import hashlib
+
+    import torchao.optim
+
+    from optpass.zero1 import sharded_state
+
+    model = odd_blocks_mlp()
+    opt = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+    step = make_step(model, opt, data_parallel="zero1")
+    rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    for x, y in odd_blocks_batches():
+        step(x[rows], y[rows])
+    reference_model, reference = one_process(optimizer_class)
+    sharded = sharded_state(opt)
+    reference_params = list(reference_model.parameters())
+    kinds, scale_error, moment_error = [], 0.0, 0.0
+    for bucket in sharded.layout.buckets:
+        shard = sharded.shards.get(bucket.index)
+        if shard is None:
+            continue
+        mine = sharded.shard_optimizer.state[shard]["exp_avg"]
+        kinds.append((type(mine).__name__, sharded.block_of(bucket)))
+        block = sharded.block_of(bucket)
+        for s in bucket.segments[rank]:
+            theirs = reference.state[reference_params[s.param]]["exp_avg"]
+            if block is not None:
+                ours = mine.scale[s.offset // block:(s.offset + s.numel) // block]
+                expected = theirs.scale[s.start // block:s.stop // block]
+                # relative to the block's scale, or to a typical one where it is near zero (dead units)
+                relative = (ours - expected).abs() / (expected.abs() + expected.abs().median())
+                scale_error = max(scale_error, relative.max().item())
+                moment_error = max(moment_error, (mine[s.offset:s.offset + s.numel].dequantize()
+                                                  - theirs.dequantize().reshape(-1)[s.start:s.stop]).abs().max().item())
+    state = model.state_dict()
+    digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+    return {"vs_one_process": max((state[k] - v).abs().max().item() for k, v in reference_model.state_dict().items()),
+            "digest": digest, "kinds": sorted(set(kinds)), "chunks": [b.chunk for b in sharded.layout.buckets], "scale_relative_error": scale_error,
+            "moment_error": moment_error, "state_bytes": sharded.state_bytes(),
+            "reference_state_bytes": sum(low_bit_bytes(v) for st in reference.state.values() for v in st.values())}
+
+
+def low_bit_bytes(value) -> int:
+    from optpass.optim.low_bit_states import stored_bytes
+
+    return stored_bytes(value)
+
+
+def zero1_low_bit_resume(rank: int, world: int, directory: str, optimizer_class: str = "AdamW8bit") -> dict:
+    """Three steps under ZeRO-1, a DCP checkpoint, three more; then a new model and optimizer that load
+    the checkpoint before their first step and take the same three steps: both runs' parameters and
+    this rank's quantized moments, compared bit for bit (in this rank)."""
+    import torchao.optim
+
+    from optpass.zero1 import sharded_state
+
+    rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    data = odd_blocks_batches()
+
+    def run(load: bool):
+        model = odd_blocks_mlp()
+        opt = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+        if load:
+            optpass.load_sharded_checkpoint(directory, opt, model=model)
+        step = make_step(model, opt, data_parallel="zero1")
+        for i, (x, y) in enumerate(data):
+            if load and i < 3:
+                continue
+            step(x[rows], y[rows])
+            if not load and i == 2:
+                optpass.save_sharded_checkpoint(directory, opt, model=model)
+        sharded = sharded_state(opt)
+        moments = [(type(v).__name__, v.codes.clone(), v.scale.clone()) if hasattr(v, "codes") else (type(v).__name__, v.clone())
+                   for state in sharded.shard_optimizer.state.values() for _, v in sorted(state.items())]
+        return model.state_dict(), moments
+
+    first, first_moments = run(load=False)
+    second, second_moments = run(load=True)
+    same_moments = len(first_moments) == len(second_moments) and all(
+        a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:])) for a, b in zip(first_moments, second_moments))
+    return {"parameters_equal": all(torch.equal(first[k], second[k]) for k in first),
+            "moments_equal": same_moments, "kinds": sorted({m[0] for m in first_moments})}
+
+
+def zero1_low_bit_adopts_state(rank: int, world: int) -> dict:
+    """Three one-process steps with torchao's AdamW8bit on every rank (the state a run brings to its
+    first zero1 step: eager steps, or a torchao state_dict loaded), then the optimizer sharded: this
+    rank's moments must be the rows of the one-process moments, codes and scales bit for bit."""
+    import torchao.optim
+
+    from optpass.zero1.state import sharded_optimizer
+
+    model = odd_blocks_mlp()
+    opt = torchao.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    step = make_step(model, opt)
+    for x, y in odd_blocks_batches()[:3]:
+        step(x, y)
+    before = {i: {k: (v.codes.clone(), v.scale.clone()) if hasattr(v, "codes") else v.clone()
+                  for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())}
+    sharded = sharded_optimizer(opt)
+    equal, quantized = True, 0
+    for bucket in sharded.layout.buckets:
+        shard = sharded.shards.get(bucket.index)
+        if shard is None:
+            continue
+        state = sharded.shard_optimizer.state[shard]
+        equal &= state["step"].item() == 3
+        for s in bucket.segments[rank]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine, theirs = state[key], before[s.param][key]
+                if hasattr(mine, "codes"):
+                    block = sharded.block_of(bucket)
+                    quantized += 1
+                    equal &= torch.equal(mine.codes[s.offset:s.offset + s.numel], theirs[0].reshape(-1)[s.start:s.stop])
+                    equal &= torch.equal(mine.scale[s.offset // block:(s.offset + s.numel) // block],
+                                         theirs[1][s.start // block:s.stop // block])
+                else:
+                    equal &= torch.equal(mine[s.offset:s.offset + s.numel], theirs.reshape(-1)[s.start:s.stop])
+    return {"equal": bool(equal), "quantized_pieces": quantized, "user_state_left": len(opt.state)}

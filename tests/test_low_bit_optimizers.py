@@ -138,20 +138,62 @@ def _state_tensors(opt) -> list[torch.Tensor]:
     return tensors
 
 
-def test_zero1_with_a_low_bit_optimizer_is_refused_with_the_alternative():
-    """ZeRO-1 updates flat pieces of buckets: torchao would quantize over a piece, in blocks that are
-    not the parameters' own, a different optimizer from the one-process run. Refused on every rank
-    before any collective, naming fsdp (row shards, as FSDP2 with torchao)."""
+def test_zero1_with_adamw8bit_quantizes_each_parameters_own_blocks_and_trains_like_one_process():
+    """Two ranks under ZeRO-1, each updating its chunk of each bucket with torchao's AdamW8bit. The
+    layout puts whole blocks of 256 on each rank and the unquantized biases in buckets of their own,
+    so every scale a rank keeps is the scale one process keeps for the same 256 elements (a chunk
+    quantized by its own offsets would hold other blocks' amax), and the state is 1/2 of one
+    process's. Gradients are averaged in another order, so parameters are close, not equal."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    ranks = values(run_ranks(2, workers.zero1_low_bit, timeout_s=900, pg_timeout_s=120))
+    for rank in ranks:
+        assert rank["kinds"] == [("OptimState8bit", 256), ("Tensor", None)], rank["kinds"]
+        assert 33 * 256 in rank["chunks"], rank["chunks"]          # 65 blocks: 33 and 32, not 32.5 each
+        assert rank["scale_relative_error"] < 1e-3, rank["scale_relative_error"]
+        assert rank["moment_error"] < 1e-4, rank["moment_error"]
+        assert rank["vs_one_process"] < 3e-3, rank["vs_one_process"]
+        assert rank["state_bytes"] < 0.55 * rank["reference_state_bytes"], rank
+    assert ranks[0]["digest"] == ranks[1]["digest"]                # the ranks hold one model
+
+
+def test_zero1_with_adamw8bit_resumes_from_a_sharded_checkpoint_exactly(tmp_path):
+    """optpass.save_sharded_checkpoint stores each quantized moment's codes and block scales
+    (requantizing dequantized signed moments would not give the codes back); a run that loads it
+    before its first step continues bit for bit as the run that saved it."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    ranks = values(run_ranks(2, workers.zero1_low_bit_resume, str(tmp_path / "checkpoint"),
+                             timeout_s=900, pg_timeout_s=120))
+    for rank in ranks:
+        assert "OptimState8bit" in rank["kinds"], rank["kinds"]
+        assert rank["parameters_equal"] and rank["moments_equal"], rank
+
+
+def test_zero1_takes_each_ranks_rows_of_the_low_bit_state_a_run_already_holds():
+    """State from steps before zero1 (or a torchao state_dict loaded then) is moved into the shards
+    when the optimizer is sharded: each rank's codes and scales are the rows of the one-process ones."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    for rank in values(run_ranks(2, workers.zero1_low_bit_adopts_state, timeout_s=600, pg_timeout_s=120)):
+        assert rank["equal"] and rank["quantized_pieces"] > 0 and rank["user_state_left"] == 0, rank
+
+
+def test_zero1_with_a_low_bit_optimizer_and_master_weights_is_refused():
+    """torchao keeps bf16 parameters without fp32 masters: zero1's masters would step another optimizer."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        model = mlp()
+        model = mlp().to(torch.bfloat16)
         opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
-        step = make_step(model, opt, data_parallel="zero1")
-        with pytest.raises(optpass.OptpassError, match=r"data_parallel='zero1' with torchao's AdamW8bit: not "
-                                                       r"supported yet.*Use data_parallel='fsdp'"):
-            step(*batches(1)[0])
+        step = make_step(model, opt, data_parallel="zero1", master_weights=torch.float32)
+        x, y = batches(1)[0]
+        with pytest.raises(optpass.OptpassError, match=r"torchao's AdamW8bit and master_weights: not supported"):
+            step(x.to(torch.bfloat16), y)
     finally:
         dist.destroy_process_group()
 

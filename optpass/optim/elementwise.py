@@ -16,6 +16,10 @@ a stand-in optimizer of the user's class, param-group settings and dtype, over o
 parameter-sized tensor must be pointwise (``torch.Tag.pointwise``), a copy, a view that
 keeps the shape, or a scalar broadcast; a reduction, a matmul or a reshape is named in the
 refusal.
+
+torchao's low-bit optimizers are not elementwise (a scale per block of a parameter's elements) and
+are not checked here: ZeRO-1's layout keeps each of their blocks whole on one rank
+(``zero1/layout.py``), which makes a chunk's update the one-process update block for block.
 """
 
 from __future__ import annotations
@@ -124,14 +128,14 @@ def refuse_non_elementwise(optimizer: torch.optim.Optimizer, dtype: torch.dtype 
     """data_parallel='zero1' over an optimizer whose update is not elementwise: an error that says
     which ops and what to do (raised on every rank alike, before any collective)."""
     if low_bit_states.is_low_bit(optimizer):
-        name = type(optimizer).__name__
-        raise OptpassError(
-            f"data_parallel='zero1' with torchao's {name}: not supported yet. ZeRO-1 updates each rank's "
-            "flat piece of a bucket of parameters, and torchao would quantize the moments over that piece, "
-            "in blocks that are not the parameters' own (and keep fp32 moments where the piece is small): "
-            "a different optimizer from the one-process run, silently. Use data_parallel='fsdp' (each rank "
-            f"keeps {name}'s state for its row shards, as FSDP2 with torchao does), or torch.optim.AdamW "
-            "under zero1.")
+        # quantized in blocks: ZeRO-1's layout keeps each block on one rank (zero1/layout.py), so the
+        # update of a rank's chunk is, block for block, the one-process update
+        if dtype is not None:
+            raise OptpassError(
+                f"data_parallel='zero1' with torchao's {type(optimizer).__name__} and master_weights: not "
+                "supported. torchao keeps bf16 parameters without fp32 masters (bf16_stochastic_round=True "
+                "rounds their updates without bias); use that, or torch.optim.AdamW with master_weights.")
+        return
     found = non_elementwise_ops(optimizer, dtype)
     if found:
         name = type(optimizer).__name__

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+from fractions import Fraction
+from typing import Callable, Iterator
 
 import torch
 
@@ -56,21 +57,83 @@ def per_parameter_classes() -> tuple[type, ...]:
     return tuple(getattr(module, n) for n in names if isinstance(getattr(module, n, None), type))
 
 
-def create_missing_state(optimizer, params: list[torch.Tensor]) -> None:
+def block_size(optimizer, p: torch.Tensor) -> int | None:
+    """The block size `optimizer` quantizes `p`'s moments in; None where torchao keeps them fp32
+    (``_new_buffer``: fewer than 4096 elements, or a size the block size does not divide), or where
+    `optimizer` is not one of torchao's low-bit optimizers."""
+    if not is_low_bit(optimizer):
+        return None
+    numel = p.numel()
+    return optimizer.block_size if numel >= 4096 and numel % optimizer.block_size == 0 else None
+
+
+def constructor_settings(optimizer) -> dict:
+    """The keyword arguments of a low-bit optimizer's constructor that are not in its ``defaults``
+    (``block_size``, ``bf16_stochastic_round``): an optimizer of its class built from ``defaults``
+    alone would quantize in other blocks or round otherwise. {} for any other optimizer."""
+    if not is_low_bit(optimizer):
+        return {}
+    return {"block_size": optimizer.block_size, "bf16_stochastic_round": optimizer.bf16_stochastic_round}
+
+
+def create_missing_state(optimizer, params: list[torch.Tensor],
+                         quantized: Callable[[torch.Tensor], bool] | None = None) -> None:
     """The state torchao's first ``step`` creates for each of `params` that has none: ``step`` a 0-d
     0.0, ``exp_avg`` (signed) and ``exp_avg_sq`` (unsigned) from torchao's ``_new_buffer`` (a
     quantized subclass for a tensor of 4096 elements or more whose size the block size divides, else
-    fp32 zeros), and ``max_exp_avg_sq`` where the group has amsgrad."""
+    fp32 zeros), and ``max_exp_avg_sq`` where the group has amsgrad.
+
+    `quantized` decides instead of ``_new_buffer``'s rule (ZeRO-1: a rank's flat piece of a bucket
+    is quantized exactly where the parameters in it are, whatever the piece's own size)."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+    def buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
+        if quantized is None:
+            return optimizer._new_buffer(p, signed)
+        if quantized(p):
+            return optimizer._subclass_zeros(p, signed, optimizer.block_size)
+        return torch.zeros_like(p)
+
     for p in params:
         if optimizer.state.get(p):
             continue
         state = optimizer.state[p]
         state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = optimizer._new_buffer(p, True)
-        state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+        state["exp_avg"] = buffer(p, True)
+        state["exp_avg_sq"] = buffer(p, False)
         if group_of[id(p)].get("amsgrad"):
-            state["max_exp_avg_sq"] = optimizer._new_buffer(p, False)
+            state["max_exp_avg_sq"] = buffer(p, False)
+
+
+def is_quantized(value) -> bool:
+    """Whether a state value is one of torchao's quantized subclasses (not a plain tensor)."""
+    return isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter) \
+        and hasattr(value, "__tensor_flatten__")
+
+
+# Inner tensors of torchao's quantized states that do not grow with the state (the quantization map)
+_FIXED_INNER = ("qmap",)
+
+
+def inner_rows(value) -> dict[str, Fraction]:
+    """A quantized state's inner tensors that hold its elements, each with how many of its elements
+    one element of the state takes: ``codes`` 1 (8-bit, FP8) or 1/2 (4-bit, two codes a byte),
+    ``scale`` 1/block size. Elements [a, b) of the flattened state, a and b on block boundaries, are
+    elements [a * r, b * r) of each inner tensor."""
+    names, _ = value.__tensor_flatten__()
+    return {name: Fraction(getattr(value, name).numel(), value.numel()) for name in names
+            if name not in _FIXED_INNER}
+
+
+def stored_bytes(value) -> int:
+    """Bytes a state value holds: a quantized one's inner tensors (codes, scales, map), not its
+    nominal fp32 size."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    if not is_quantized(value):
+        return value.numel() * value.element_size()
+    names, _ = value.__tensor_flatten__()
+    return sum(stored_bytes(getattr(value, name)) for name in names)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from optpass.errors import OptpassError
+from optpass.optim import low_bit_states
 from optpass.precision.masters import STATE_DICT_KEY, is_rounded_copy
 
 # a master_weights checkpoint's fp32 masters, between the ranks' agreement and the sharding
@@ -95,6 +96,9 @@ def adopt_unsharded_state(sharded) -> None:
             continue                                   # no rows of this bucket on this rank
         made = sharded.shard_optimizer.state.get(shard, {})
         segments = bucket.segments[sharded.rank]
+        if any(low_bit_states.is_quantized(v) for v in made.values()):
+            sharded.shard_optimizer.state[shard] = _quantized_rows(made, user, params, segments, params[held[0]])
+            continue
         if made and all(_is_rounded(made, user[params[s.param]], params[s.param], s) for s in segments):
             continue                                   # the constructor's state: the shard keeps its own
         first = params[held[0]]
@@ -111,6 +115,30 @@ def adopt_unsharded_state(sharded) -> None:
         sharded.shard_optimizer.state[shard] = state
     for p in params:
         user.pop(p, None)
+
+
+def _quantized_rows(made: dict, user, params: list[torch.Tensor], segments, first: torch.Tensor) -> dict:
+    """This rank's rows of a torchao optimizer's state, into the shard's quantized moments (made in the
+    parameters' blocks, ``state.ShardedOptimizer``): each moment's codes and block scales are copied
+    as they are (a segment is whole blocks); requantizing the dequantized rows would not give a
+    signed moment's codes back."""
+    state = dict(made)
+    for key, value in user[first].items():
+        if _is_scalar_entry(key, value, first):
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            continue
+        target = made.get(key)
+        for s in segments:
+            source = user[params[s.param]][key]
+            if not (low_bit_states.is_quantized(target) and type(source) is type(target)):
+                raise OptpassError(
+                    f"data_parallel='zero1': optimizer state {key!r} of parameter #{s.param} is a "
+                    f"{type(source).__name__}, where this optimizer quantizes it as {type(target).__name__}; "
+                    "load state saved by the same optimizer class and block size.")
+            for name, ratio in low_bit_states.inner_rows(target).items():
+                rows = getattr(target, name).reshape(-1)[int(s.offset * ratio): int((s.offset + s.numel) * ratio)]
+                rows.copy_(getattr(source, name).reshape(-1)[int(s.start * ratio): int(s.stop * ratio)])
+    return state
 
 
 def _unpack_master_weights_entry(optimizer) -> None:

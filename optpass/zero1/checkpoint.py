@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.errors import OptpassError
+from optpass.optim import low_bit_states
 from optpass.zero1.state import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
 
 OPTIMIZER_KEY = "optimizer"
@@ -84,8 +86,24 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
             values[MASTER_KEY] = shard                     # the master shard is the shard optimizer's parameter
         for key, value in values.items():
             for s in bucket.segments[sharded.rank]:
-                state.setdefault(str(s.param), {})[key] = _logical(sharded, bucket, s, shard, key, value)
+                if low_bit_states.is_quantized(value):
+                    state.setdefault(str(s.param), {}).update(_quantized_pieces(sharded, bucket, s, key, value))
+                else:
+                    state.setdefault(str(s.param), {})[key] = _logical(sharded, bucket, s, shard, key, value)
     return {"state": state, "param_groups": _param_groups(optimizer)}
+
+
+def _quantized_pieces(sharded, bucket, segment, key: str, value) -> dict:
+    """A quantized moment's piece as its inner tensors (``"exp_avg.codes"``, ``"exp_avg.scale"``),
+    each layout-free: the parameter's codes and block scales, this rank's piece a view of them
+    (the layout puts whole blocks on a rank, so the piece of every inner tensor is whole). Not the
+    dequantized values: requantizing a signed 8-bit moment does not give its codes back."""
+    pieces = {}
+    for name, ratio in low_bit_states.inner_rows(value).items():
+        inner = getattr(value, name).reshape(-1)
+        piece = inner[int(segment.offset * ratio): int((segment.offset + segment.numel) * ratio)]
+        pieces[f"{key}.{name}"] = _sharded_tensor(sharded, bucket, segment.param, piece, ratio)
+    return pieces
 
 
 def _logical(sharded, bucket, segment, shard, key, value):
@@ -100,17 +118,19 @@ def _logical(sharded, bucket, segment, shard, key, value):
     return _sharded_tensor(sharded, bucket, segment.param, piece)
 
 
-def _sharded_tensor(sharded, bucket, param: int, piece: torch.Tensor) -> ShardedTensor:
-    """A 1-D ShardedTensor of the parameter's numel whose only local shard is `piece`."""
+def _sharded_tensor(sharded, bucket, param: int, piece: torch.Tensor, ratio: Fraction = Fraction(1)) -> ShardedTensor:
+    """A 1-D ShardedTensor of the parameter's numel (times `ratio`: a quantized moment's inner
+    tensor, ``low_bit_states.inner_rows``) whose only local shard is `piece`."""
     pg = sharded.pg
     placements = []
     mine = None
     for rank, s in bucket.segments_of(param):
-        metadata = ShardMetadata([s.start], [s.numel], f"rank:{dist.get_global_rank(pg.group, rank)}/{piece.device}")
+        metadata = ShardMetadata([int(s.start * ratio)], [int(s.numel * ratio)],
+                                 f"rank:{dist.get_global_rank(pg.group, rank)}/{piece.device}")
         placements.append(metadata)
         if rank == pg.rank:
             mine = metadata
-    numel = sharded.layout.shapes[param].numel()
+    numel = int(sharded.layout.shapes[param].numel() * ratio)
     global_metadata = ShardedTensorMetadata(
         placements, torch.Size([numel]), TensorProperties(dtype=piece.dtype, requires_grad=False))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -218,7 +238,14 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
                     continue
                 size = getattr(md, "size", None)
                 state = new_state.setdefault(shard, {})
-                if size is not None and tuple(size) == (sharded.layout.shapes[s.param].numel(),):
+                head, _, inner = key.partition(".")
+                if inner:                  # a quantized moment's codes or scales: read in place
+                    quantized = _quantized_destination(sharded, shard, head, key)
+                    state[head] = quantized
+                    ratio = low_bit_states.inner_rows(quantized)[inner]
+                    piece = getattr(quantized, inner).reshape(-1)[int(s.offset * ratio): int((s.offset + s.numel) * ratio)]
+                    template.setdefault(str(s.param), {})[key] = _sharded_tensor(sharded, bucket, s.param, piece, ratio)
+                elif size is not None and tuple(size) == (sharded.layout.shapes[s.param].numel(),):
                     flat = state.setdefault(key, torch.zeros_like(shard))
                     piece = flat[s.offset: s.offset + s.numel]
                     template.setdefault(str(s.param), {})[key] = _sharded_tensor(sharded, bucket, s.param, piece)
@@ -241,6 +268,18 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
                         sharded.shard_optimizer.state[shard][key] = value
 
     return template, install
+
+
+def _quantized_destination(sharded, shard: torch.Tensor, head: str, key: str):
+    """This rank's quantized moment `head` of `shard` (made with the shard optimizer: quantized where
+    the bucket's parameters are), which a checkpoint's ``key`` (its codes or scales) is read into."""
+    value = (sharded.shard_optimizer.state.get(shard) or {}).get(head)
+    if not low_bit_states.is_quantized(value):
+        raise OptpassError(
+            f"zero1 checkpoint: it holds torchao's quantized {head!r} ({key!r}), which this run's optimizer "
+            f"keeps {'unquantized' if isinstance(value, torch.Tensor) else 'nowhere'} for these parameters: "
+            "load it with the optimizer class (and block size) that saved it.")
+    return value
 
 
 def restore_param_groups(optimizer, saved: list[dict]) -> None:

@@ -21,6 +21,14 @@ DDP). Each bucket is split over the N ranks by one of two partitions:
   largest first, each to the rank with the least state so far; a rank's chunk
   is padded to the bucket's largest, so reduce_scatter + all_gather may carry
   padding (the all_reduce plan sends none).
+
+With an optimizer whose state is quantized in blocks (torchao's ``AdamW8bit``, ``AdamW4bit``,
+``AdamWFp8``: a scale per block of 256 or 128 consecutive elements of a parameter), ``block_of``
+gives each parameter its block size, or None where one process keeps its moments unquantized
+(torchao's rule: fewer than 4096 elements, or a size the block size does not divide). A bucket
+then holds parameters of one block size only, and under ``"even"`` its chunk is a whole number of
+blocks: every parameter of a quantized bucket is a whole number of blocks too, so each block of a
+rank's chunk is one block of one parameter, the block one process quantizes alone.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from typing import Callable
 
 import torch
 
@@ -133,42 +142,55 @@ def resolve_bucket_bytes(params: list[tuple[int, torch.Tensor]], bucket_bytes: i
 
 def build_layout(params: list[tuple[int, torch.Tensor]], world: int, partition: str,
                  bucket_bytes: int | None, master_dtype: torch.dtype | None = None,
-                 order: list[int] | None = None) -> Layout:
+                 order: list[int] | None = None,
+                 block_of: Callable[[torch.Tensor], int | None] | None = None) -> Layout:
     """Buckets filled in `order` (parameter indices in the order backward makes their gradients
-    final, ``gradient_order``; None: reverse parameter order, DDP's first guess)."""
+    final, ``gradient_order``; None: reverse parameter order, DDP's first guess). `block_of`: a
+    parameter's quantization block size (None: unquantized state), see the module docstring."""
     if partition not in PARTITIONS:
         raise OptpassError(f"zero1 partition must be one of {PARTITIONS}, got {partition!r}")
     bucket_bytes = resolve_bucket_bytes(params, bucket_bytes, master_dtype)
     buckets: list[Bucket] = []
-    current: list[int] = []
+    block = block_of or (lambda p: None)
+    # Buckets being filled, by block size: parameters quantized alike share a bucket, and a bias
+    # between two quantized weights (unquantized: too small) goes to its own kind's open bucket
+    # instead of ending the weights' bucket. A new param group or dtype closes every open bucket.
+    open_buckets: dict[int | None, list[int]] = {}
+    sizes: dict[int | None, int] = {}
 
-    def close() -> None:
-        if current:
-            buckets.append(_partition(len(buckets), params[current[0]][0], list(current), params,
-                                      world, partition, loads))
-            current.clear()
+    def close(kind) -> None:
+        members = open_buckets.pop(kind, None)
+        sizes.pop(kind, None)
+        if members:
+            buckets.append(_partition(len(buckets), params[members[0]][0], members, params,
+                                      world, partition, loads, kind))
 
     loads = [0] * world                  # greedy: elements assigned to each rank so far
-    size = 0
-    for index in reversed(range(len(params))) if order is None else order:
+    order = list(reversed(range(len(params)))) if order is None else order
+    position = {index: n for n, index in enumerate(order)}
+    for index in order:
         group, p = params[index]
-        if current:
-            first_group, first = params[current[0]]
-            if group != first_group or p.dtype != first.dtype or size + reduced_bytes(p, master_dtype) > bucket_bytes:
-                close()
-                size = 0
-        current.append(index)
-        size += reduced_bytes(p, master_dtype)
-    close()
+        kind = block(p)
+        if any(params[m[0]][0] != group or params[m[0]][1].dtype != p.dtype for m in open_buckets.values()):
+            for other in sorted(open_buckets, key=lambda k: position[open_buckets[k][-1]]):
+                close(other)
+        if kind in open_buckets and sizes[kind] + reduced_bytes(p, master_dtype) > bucket_bytes:
+            close(kind)
+        open_buckets.setdefault(kind, []).append(index)
+        sizes[kind] = sizes.get(kind, 0) + reduced_bytes(p, master_dtype)
+    for kind in sorted(open_buckets, key=lambda k: position[open_buckets[k][-1]]):
+        close(kind)
     return Layout(world, partition, buckets, [p.shape for _, p in params])
 
 
-def _partition(index, group, members, params, world, partition, loads) -> Bucket:
+def _partition(index, group, members, params, world, partition, loads, block: int | None = None) -> Bucket:
     numel = {i: params[i][1].numel() for i in members}
     segments: list[list[Segment]] = [[] for _ in range(world)]
     if partition == "even":
         total = sum(numel.values())
         chunk = max(1, math.ceil(total / world))
+        if block is not None:            # whole blocks: no block of a parameter on two ranks
+            chunk = math.ceil(chunk / block) * block
         position = 0
         for i in members:
             start = position

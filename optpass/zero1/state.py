@@ -41,6 +41,7 @@ import torch.distributed as dist
 from optpass.errors import OptpassError
 from optpass.options import OptimizerList, optimizers_of
 from optpass.process_groups import backend_for_device
+from optpass.optim import low_bit_states
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
 from optpass.zero1.agreement import agree
@@ -110,7 +111,10 @@ class ShardedOptimizer:
         self.params = trainable_params(optimizer)
         if not self.params:
             raise OptpassError("data_parallel='zero1': the optimizer has no parameters that require grad.")
-        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype, order)
+        self._member_of = {id(p): member for member in optimizers_of(optimizer)
+                           for group in member.param_groups for p in group["params"]}
+        self.layout = build_layout(self.params, pg.world, partition, bucket_bytes, master_dtype, order,
+                                   block_of=lambda p: low_bit_states.block_size(self._member_of[id(p)], p))
         # One flat shard per bucket this rank owns elements of, named like a parameter.
         self.shards: dict[int, torch.Tensor] = {}
         for bucket in self.layout.buckets:
@@ -120,6 +124,7 @@ class ShardedOptimizer:
                 dtype = master_dtype if self.has_master(bucket) else p.dtype
                 self.shards[bucket.index] = torch.zeros(owned, dtype=dtype, device=p.device)
         self.shard_optimizer = self._make_shard_optimizer() if self.shards else None
+        self._create_quantized_state()
         self.replicas: Replicas | None = None   # with the first compiled step (sharded_optimizer)
         self._stale_masters = {b.index for b in self.layout.buckets if b.index in self.shards}
         adopt_unsharded_state(self)          # eager steps, a plain checkpoint: this rank's rows of it
@@ -153,6 +158,25 @@ class ShardedOptimizer:
                 made.append(_shard_optimizer_like(member, groups))
         return OptimizerList.of(made)
 
+    def block_of(self, bucket: Bucket) -> int | None:
+        """The block size the bucket's state is quantized in (None: unquantized; see ``layout.py``)."""
+        p = self.params[bucket.params[0]][1]
+        return low_bit_states.block_size(self._member_of[id(p)], p)
+
+    def _create_quantized_state(self) -> None:
+        """torchao's state for each low-bit shard optimizer's shards, made now rather than by its first
+        step: torchao would quantize a shard by the shard's own size (fp32 below 4096 elements), where
+        one process quantizes each parameter by its size; a shard is quantized exactly where its
+        bucket's parameters are (``block_of``), in the same blocks (the layout's chunks are whole blocks)."""
+        if self.shard_optimizer is None:
+            return
+        quantized = {id(self.shards[b.index]) for b in self.layout.buckets
+                     if b.index in self.shards and self.block_of(b) is not None}
+        for member in optimizers_of(self.shard_optimizer):
+            if low_bit_states.is_low_bit(member):
+                shards = [p for group in member.param_groups for p in group["params"]]
+                low_bit_states.create_missing_state(member, shards, quantized=lambda shard: id(shard) in quantized)
+
     def sync_lr(self) -> None:
         """The user's scheduler changes the user's optimizer: the shard optimizer follows."""
         if self.shard_optimizer is None:
@@ -164,8 +188,8 @@ class ShardedOptimizer:
         """Bytes of optimizer-state tensors on this rank (the shard optimizer's; 0 without one)."""
         if self.shard_optimizer is None:
             return 0
-        return sum(t.numel() * t.element_size() for state in self.shard_optimizer.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor))
+        return sum(low_bit_states.stored_bytes(t) for state in self.shard_optimizer.state.values()
+                   for t in state.values())
 
     # ------------------------------------------------------------ fp32 masters (master_weights)
 
@@ -278,7 +302,7 @@ def _shard_optimizer_like(optimizer: torch.optim.Optimizer, groups: list[dict]) 
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     try:
-        return cls(groups, **defaults)
+        return cls(groups, **defaults, **low_bit_states.constructor_settings(optimizer))
     except (TypeError, ValueError) as error:
         raise OptpassError(f"data_parallel='zero1': could not build a {cls.__name__} over this "
                            f"rank's shards ({error}).") from error
@@ -416,6 +440,8 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
                                     ("partition", partition), ("bucket_bytes", bucket_bytes),
                                     ("master_weights", str(master_dtype)),
                                     ("param groups", len(optimizer.param_groups))]
+    items += [(f"{type(member).__name__}'s quantization", repr(settings)) for member in optimizers_of(optimizer)
+              if (settings := low_bit_states.constructor_settings(member))]
     for g, group in enumerate(optimizer.param_groups):
         settings = {k: (_shortest(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
                     for k, v in group.items() if k not in ("params", "initial_lr")}
