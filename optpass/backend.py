@@ -28,6 +28,7 @@ from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, 
 from optpass.legality import (check_every_update_is_handled, check_no_distributed_tensor_parameters, check_fsdp, check_grad_scaler,
                               check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
                               check_zero1, ends_at_optimizer_step)
+from optpass.optim.bitsandbytes_refusal import refuse_bitsandbytes
 from optpass.optim.elementwise import non_elementwise_ops
 from optpass.options import Options, optimizers_of
 from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
@@ -150,6 +151,8 @@ def _compile(gm, example_inputs, options, mode):
     # data_parallel (it would update this rank's shard as if it were the parameter), else warned.
     check_every_update_is_handled(captured, options)
     runtime = next((r for r in STEP_RUNTIMES if r.requested(options)), None)
+    # bitsandbytes' optimizers: AOTAutograd cannot compile their step; refused with what works instead.
+    refuse_bitsandbytes(captured, options, fused=runtime is not None)
     # A training step on one of several ranks, not data-parallel: say so (ranks that wait for it fail).
     _warn_undistributed(captured, options)
     # A backward() Dynamo did not trace, in a frame with nothing before it (so no graph ended at it):
