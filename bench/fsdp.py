@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fully sharded data parallel (``optpass.fully_shard`` + ``data_parallel="fsdp"``) versus torch's FSDP2
-and optpass ZeRO-1, gloo ranks on CPU, fp32 AdamW.
+and optpass ZeRO-1, gloo ranks on CPU, fp32 AdamW (``--optimizer adamw8bit``: torchao's ``AdamW8bit``).
 
 For each world size (``--worlds``, default 2 and 3) and each variant a set of spawned ranks trains
 from a fresh model of the same seed (``--same-processes``: one set of ranks, one variant after the
@@ -51,6 +51,7 @@ Usage::
     python3 bench/fsdp.py --model llama    # a Llama of 8 layers, width 512
     python3 bench/fsdp.py --quick          # 8 x 256^2, 2 ranks
     python3 bench/fsdp.py --same-processes # every variant in the same processes (faster)
+    python3 bench/fsdp.py --model llama --optimizer adamw8bit --variants fsdp2 optpass-fsdp optpass-zero1
     python3 bench/fsdp.py --model llama --depth 4 --vocab 32000 --worlds 2 --clip 1.0 \
         --variants fsdp2 optpass-fsdp       # torchtitan's step: clip_grad_norm_ / clip_grad_norm 1.0
 """
@@ -112,6 +113,24 @@ def loss_fn(args, model):
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def make_optimizer(name: str, params):
+    """fp32 AdamW (a tensor lr), or torchao's ``AdamW8bit`` (Adam's moments in 8 bits, block scales)."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=torch.tensor(1e-4))
+    import torchao.optim
+
+    return torchao.optim.AdamW8bit(params, lr=1e-4)
+
+
+def stored_bytes(tensor) -> int:
+    """A state tensor's bytes: a torchao quantized moment's codes, scales and map, not its fp32 size."""
+    from optpass.optim.low_bit_states import stored_bytes as held
+
+    return held(tensor)
 
 
 def local(tensor):
@@ -195,7 +214,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     data = batches(args, rank, world)
     times = []
     with live.mark(f"{variant}/train"):
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-4))
+        opt = make_optimizer(args.optimizer, model.parameters())
         if variant.startswith("fsdp2"):
             step = training_step(loss_fn(args, model), opt, list(model.parameters()), args.clip)
         else:
@@ -224,8 +243,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             step(x, y)
             times.append(time.perf_counter() - began)
     holder = sharded_state(opt).shard_optimizer if variant == "optpass-zero1" else opt   # zero1 keeps its own
-    state = tensor_bytes(local(v) for s in holder.state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    state = sum(stored_bytes(local(v)) for s in holder.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
     if variant == "optpass-fsdp-bf16":             # and the fp32 master shards
         state += tensor_bytes(optpass.master_weights(opt).values())
     result = {"resident_param_bytes": resident, "state_bytes": state, "full_params": full_params,
@@ -311,6 +330,8 @@ def main() -> None:
                              "before it: FSDP2's Llama step took 2.4x longer as the first of five)")
     parser.add_argument("--clip", type=float, default=None,
                         help="global-norm clipping: clip_grad_norm_ for fsdp2, options clip_grad_norm for optpass")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"),
+                        help="torch.optim's AdamW, or torchao's AdamW8bit (every variant)")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_rank_flags(parser)
@@ -326,7 +347,7 @@ def main() -> None:
     for world in args.worlds:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
-                            threads=args.threads, clip=args.clip)
+                            threads=args.threads, clip=args.clip, optimizer=args.optimizer)
         if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
             runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
                     for v in args.variants]

@@ -225,3 +225,107 @@ def zero1_low_bit_adopts_state(rank: int, world: int) -> dict:
                 else:
                     equal &= torch.equal(mine[s.offset:s.offset + s.numel], theirs.reshape(-1)[s.start:s.stop])
     return {"equal": bool(equal), "quantized_pieces": quantized, "user_state_left": len(opt.state)}
+
+
+def resharded_mlp() -> torch.nn.Module:
+    """A weight torchao quantizes on 1, 2 and 3 ranks' shards ([1024, 256]: shards of 512 and 342 rows),
+    and a head whose shard it quantizes on 2 ranks (4 rows, 4096 elements) but not on 3 (3 rows, 3072)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+
+
+def resharded_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(12, 256, generator=g), torch.randint(0, 8, (12,), generator=g)) for _ in range(STEPS)]
+
+
+def _full_moments(model, opt) -> dict[str, torch.Tensor]:
+    """Every moment of a fully sharded model's torchao state, dequantized, in the parameter's shape
+    (gathered from the ranks), and which were quantized on this world."""
+    import torch.distributed as dist
+
+    from optpass.fsdp.shard import sharded_parameters
+    from optpass.optim.low_bit_states import is_quantized
+
+    full = {}
+    for name, p, spec in sharded_parameters(model):
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = opt.state[p][key]
+            rows = (value.dequantize() if is_quantized(value) else value)[:spec.valid].clone()
+            pieces = [None] * spec.world
+            dist.all_gather_object(pieces, rows)
+            full[f"{name}.{key}"] = torch.cat(pieces).reshape(spec.shape)
+            full[f"{name}.{key}.quantized"] = is_quantized(value)
+    return full
+
+
+def _save(directory, model, opt, api: str) -> None:
+    if api == "optpass":
+        optpass.save_sharded_checkpoint(directory, opt, model=model)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+
+
+def _load(directory, model, opt, api: str) -> None:
+    if api == "optpass":
+        optpass.load_sharded_checkpoint(directory, opt, model=model)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def fsdp_low_bit_checkpoint(rank: int, world: int, directory: str, role: str, optimizer_class: str = "AdamW8bit",
+                            api: str = "optpass") -> dict:
+    """``role="save"``: three steps fully sharded with AdamW8bit in backward, a DCP checkpoint, then three
+    more; rank 0 writes the checkpoint's moments (dequantized, whole) and the final parameters beside
+    it. ``role="resume"``: a new model and optimizer on this world load the checkpoint, and this rank
+    compares the moments they start from and, after the same three steps, the parameters with what the
+    saving run wrote. Each rank takes its rows of each batch. ``api="torch"``: saved and loaded with
+    torch's ``get_state_dict`` / ``set_state_dict`` and DCP, as torchtitan does."""
+    import os
+
+    import torchao.optim
+
+    data = resharded_batches()
+    rows = slice(rank * 12 // world, (rank + 1) * 12 // world)
+    model = resharded_mlp()
+    optpass.fully_shard(model)
+    opt = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+    if role == "resume":
+        _load(directory, model, opt, api)
+        loaded = _full_moments(model, opt)
+    step = make_step(model, opt, data_parallel="fsdp")
+    for i, (x, y) in enumerate(data):
+        if role == "resume" and i < 3:
+            continue
+        step(x[rows], y[rows])
+        if role == "save" and i == 2:
+            _save(directory, model, opt, api)
+            saved = _full_moments(model, opt)
+    final = optpass.full_state_dict(model)
+    reference_path = os.path.join(directory, "reference.pt")
+    if role == "save":
+        if rank == 0:
+            torch.save({"moments": saved, "parameters": final}, reference_path)
+        return {"quantized": sorted(k for k, v in saved.items() if v is True)}
+    reference = torch.load(reference_path)
+    moment_error = {}
+    for key, value in loaded.items():
+        if key.endswith(".quantized"):
+            continue
+        saved_value = reference["moments"][key]
+        scale = saved_value.abs().max().item() or 1.0
+        moment_error[key] = (value - saved_value).abs().max().item() / scale
+    return {"quantized": sorted(k for k, v in loaded.items() if v is True),
+            "saved_quantized": sorted(k for k, v in reference["moments"].items() if v is True),
+            "moment_error": moment_error,
+            "steps": opt.state[next(model.parameters())]["step"].item(),
+            "vs_saving_run": max((final[k] - v).abs().max().item() for k, v in reference["parameters"].items())}

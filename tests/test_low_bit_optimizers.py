@@ -226,3 +226,73 @@ def test_explain_with_a_low_bit_optimizer_shows_the_fused_update():
                                options={"optimizer": opt, "optimizer_in_backward": True}))
     assert "pass optimizer_in_backward: applied" in text, text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fsdp_with_adamw8bit_resumes_from_a_sharded_checkpoint_on_as_many_ranks_exactly_and_on_more(tmp_path):
+    """optpass.save_sharded_checkpoint of a fully sharded model stores each quantized moment's codes and
+    block scales (each shard's blocks are the parameter's own), so a run that loads it on as many ranks
+    continues bit for bit. On 3 ranks the first weight's shards are quantized again (codes and scales
+    read in place) and the head's 3-row shards are under torchao's 4096 elements: its moments are
+    dequantized from the saved codes. Either way every moment starts where the saving run left it."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    directory = str(tmp_path / "checkpoint")
+    saved = values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "save", timeout_s=900, pg_timeout_s=120))
+    quantized = ["0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized",
+                 "2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"]
+    assert saved[0]["quantized"] == quantized
+    for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume",
+                                 timeout_s=900, pg_timeout_s=120)):
+        assert rank["quantized"] == quantized and rank["steps"] == workers.STEPS
+        assert all(error == 0.0 for error in rank["moment_error"].values()), rank["moment_error"]
+        assert rank["vs_saving_run"] == 0.0, rank
+    for rank in values(run_ranks(3, workers.fsdp_low_bit_checkpoint, directory, "resume",
+                                 timeout_s=900, pg_timeout_s=120)):
+        assert rank["quantized"] == quantized[:2], rank["quantized"]              # the head's shards: fp32
+        assert all(error == 0.0 for error in rank["moment_error"].values()), rank["moment_error"]
+        assert rank["vs_saving_run"] < 1e-3, rank                                 # gradients summed otherwise
+
+
+def test_fsdp_with_adamw8bit_quantizes_moments_saved_fp32_when_loaded_on_fewer_ranks(tmp_path):
+    """Saved on 3 ranks (the head's moments fp32 there), loaded on 2, where torchao quantizes the head's
+    shards: its moments are quantized from the saved values (within a code step of the block's
+    largest), the first weight's codes and scales read in place."""
+    import low_bit_workers as workers
+    from distributed import RankError, run_ranks, values
+
+    directory = str(tmp_path / "checkpoint")
+    run_ranks(3, workers.fsdp_low_bit_checkpoint, directory, "save", timeout_s=900, pg_timeout_s=120)
+    for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume",
+                                 timeout_s=900, pg_timeout_s=120)):
+        assert rank["saved_quantized"] == ["0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized"]
+        assert "2.weight.exp_avg.quantized" in rank["quantized"]
+        errors = rank["moment_error"]
+        assert all(errors[k] == 0.0 for k in errors if not k.startswith("2.weight")), errors
+        assert 0.0 < errors["2.weight.exp_avg"] < 0.02 and 0.0 < errors["2.weight.exp_avg_sq"] < 0.02, errors
+        assert rank["vs_saving_run"] < 1e-3, rank
+    # another quantization (4-bit codes, blocks of 128) cannot read these codes: refused, not misread
+    for rank in run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW4bit",
+                          timeout_s=900, pg_timeout_s=120):
+        assert isinstance(rank, RankError) and rank.type == "OptpassError", rank
+        assert "saved with another quantization" in rank.message and "AdamW4bit" in rank.message, rank.message
+
+
+def test_fsdp_with_adamw8bit_resumed_through_torchs_state_dict_api_keeps_quantized_moments(tmp_path):
+    """torch's get_state_dict / set_state_dict with DCP (torchtitan's checkpoint): the optimizer's
+    state_dict() gives each moment's values, and the load quantizes them again where torchao quantizes
+    the shard (it gave fp32 moments before: four times the state, silently). Requantizing moves a
+    signed moment's codes a little; optpass.save_sharded_checkpoint keeps them exactly (above)."""
+    import low_bit_workers as workers
+    from distributed import run_ranks, values
+
+    directory = str(tmp_path / "checkpoint")
+    values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "save", "AdamW8bit", "torch",
+                     timeout_s=900, pg_timeout_s=120))
+    for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW8bit", "torch",
+                                 timeout_s=900, pg_timeout_s=120)):
+        assert rank["quantized"] == rank["saved_quantized"] == [
+            "0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized",
+            "2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"], rank
+        assert max(rank["moment_error"].values()) < 2e-2, rank["moment_error"]
+        assert rank["vs_saving_run"] < 2e-3, rank

@@ -25,8 +25,9 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
-from optpass.fsdp import write_through
+from optpass.fsdp import low_bit_checkpoint, write_through
 from optpass.fsdp.shard import ShardSpec, shard_spec, sharded_parameters
+from optpass.optim import low_bit_states
 from optpass.zero1 import checkpoint as zero1_checkpoint
 
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
@@ -186,8 +187,12 @@ def fsdp_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         _refuse_unsharded_optimizer(optimizer, names)
         entries = {}
         for p, values in optimizer.state.items():
-            spec = shard_spec(p)
-            entries[names[id(p)]] = {k: _state_entry(v, spec, names[id(p)], k) for k, v in values.items()}
+            spec, saved = shard_spec(p), entries.setdefault(names[id(p)], {})
+            for k, v in values.items():
+                if low_bit_states.is_quantized(v):       # torchao's moment: its codes and block scales
+                    saved.update(low_bit_checkpoint.saved_pieces(v, spec, k))
+                else:
+                    saved[k] = _state_entry(v, spec, names[id(p)], k)
         state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
     return state
 
@@ -275,8 +280,15 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     write_back_alive()                   # no parameter gathered for initialization writes over the load later
     state = fsdp_state_dict(model)
     fresh: dict[torch.Tensor, dict] = {}
+    low_bit = None
     if optimizer is not None:
         _refuse_unsharded_optimizer(optimizer, names)
+        if low_bit_states.is_low_bit(optimizer):
+            # each shard's new state by torchao's rule for the shard; the checkpoint is read into it
+            low_bit = low_bit_checkpoint.LowBitLoad(optimizer, _sharded_tensor)
+            group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+            fresh = {p: low_bit_states.new_state(optimizer, p, group_of[id(p)]) for p in by_name.values()
+                     if id(p) in group_of}
         metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
         entries: dict[str, dict] = {}
         prefix = f"{OPTIMIZER_KEY}.state."
@@ -291,7 +303,10 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             p, spec = by_name[name], shard_spec(by_name[name])
             size = tuple(getattr(md, "size", ()) or ())
             target = fresh.setdefault(p, {})
-            if size == spec.saved_shape:
+            read_into = low_bit.destination(target, p, spec, key, md) if low_bit is not None else None
+            if read_into is not None:
+                entries.setdefault(name, {})[key] = read_into
+            elif size == spec.saved_shape:
                 target[key] = torch.zeros_like(p.detach())
                 entries.setdefault(name, {})[key] = _sharded_tensor(target[key], spec)
             else:
@@ -299,6 +314,8 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
                 entries.setdefault(name, {})[key] = target[key]
         state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
+    if low_bit is not None:
+        low_bit.finish()
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
             loaded = state[MODEL_KEY][name]

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from optpass.errors import OptpassError
 from optpass.fsdp import write_through
+from optpass.optim import low_bit_states
 
 _MESHES: dict[tuple[int, str], DeviceMesh] = {}
 _ADOPTED: WeakIdKeyDictionary = WeakIdKeyDictionary()          # optimizer -> True
@@ -177,7 +178,9 @@ def adopt_optimizer(optimizer, spec_of, on_loaded=None) -> None:
             if spec is None:
                 state[index] = entries
                 continue
-            state[index] = {key: (as_shard(value, spec, f"{spec.name} {key!r}", p.detach())
+            # a low-bit optimizer's moments quantized as torchao keeps them for this shard, not fp32
+            state[index] = {key: (low_bit_states.as_loaded_moment(
+                                      opt, p, key, as_shard(value, spec, f"{spec.name} {key!r}", p.detach()))
                                   if isinstance(value, torch.Tensor) and value.dim() > 0 else value)
                             for key, value in entries.items()}
             if on_loaded is not None:

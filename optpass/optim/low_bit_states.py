@@ -86,23 +86,47 @@ def create_missing_state(optimizer, params: list[torch.Tensor],
     `quantized` decides instead of ``_new_buffer``'s rule (ZeRO-1: a rank's flat piece of a bucket
     is quantized exactly where the parameters in it are, whatever the piece's own size)."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for p in params:
+        if not optimizer.state.get(p):
+            optimizer.state[p] = new_state(optimizer, p, group_of[id(p)], quantized)
 
-    def buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
+
+def new_state(optimizer, p: torch.Tensor, group: dict,
+              quantized: Callable[[torch.Tensor], bool] | None = None) -> dict:
+    """The state torchao's first ``step`` gives `p` (of `group`): see ``create_missing_state``."""
+    def buffer(signed: bool) -> torch.Tensor:
         if quantized is None:
             return optimizer._new_buffer(p, signed)
         if quantized(p):
             return optimizer._subclass_zeros(p, signed, optimizer.block_size)
         return torch.zeros_like(p)
 
-    for p in params:
-        if optimizer.state.get(p):
-            continue
-        state = optimizer.state[p]
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = buffer(p, True)
-        state["exp_avg_sq"] = buffer(p, False)
-        if group_of[id(p)].get("amsgrad"):
-            state["max_exp_avg_sq"] = buffer(p, False)
+    state = {"step": torch.tensor(0.0), "exp_avg": buffer(is_signed("exp_avg")),
+             "exp_avg_sq": buffer(is_signed("exp_avg_sq"))}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = buffer(False)
+    return state
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def as_loaded_moment(optimizer, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+    """A state entry about to be loaded for `p` (``load_state_dict`` of fp32 values): quantized as torchao
+    keeps that moment of `p` (``_new_buffer``'s rule), so a resumed optimizer holds the state it would
+    have made itself; `value` unchanged for a low-bit optimizer's other entries and any other optimizer."""
+    size = block_size(optimizer, p)
+    if size is None or key not in _MOMENTS or is_quantized(value) or tuple(value.shape) != tuple(p.shape):
+        return value
+    moment = optimizer._subclass_zeros(p.detach(), is_signed(key), size)
+    with torch.no_grad():
+        moment.copy_(value)
+    return moment
+
+
+def is_signed(key: str) -> bool:
+    """Whether torchao quantizes the state entry `key` with its signed map (the first moment)."""
+    return key == "exp_avg"
 
 
 def is_quantized(value) -> bool:
