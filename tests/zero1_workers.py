@@ -524,7 +524,8 @@ def resume_from_plain_state(rank: int, world: int, cases: list[dict]) -> list[di
     the same plain torch.optim checkpoint), then zero1 from step k on: against one process over all
     steps. case["rank_without_state"]: that rank clears its optimizer state first (it loaded none);
     case["frozen_while_eager"]: the last parameter takes no eager step (it holds no state);
-    case["one_group"]: one param group (buckets never span two groups)."""
+    case["one_group"]: one param group (buckets never span two groups); case["eager_on_own_rows"]: each
+    rank's eager steps see its own rows (no DDP), so the ranks' state differs in values only."""
     torch.set_default_dtype(torch.float64)
     results = []
     for case in cases:
@@ -535,7 +536,8 @@ def resume_from_plain_state(rank: int, world: int, cases: list[dict]) -> list[di
         if frozen is not None:
             frozen.requires_grad_(False)                   # no gradient, so no state, in the eager steps
         for i in range(case["eager_steps"]):
-            loss_fn(model, *global_batch(i, world)).backward()
+            batch = global_batch(i, world)
+            loss_fn(model, *(local(batch, rank, world) if case.get("eager_on_own_rows") else batch)).backward()
             opt.step()
             opt.zero_grad()
         if frozen is not None:

@@ -45,7 +45,7 @@ from optpass.optim import low_bit_states
 from optpass.optim.elementwise import refuse_non_elementwise
 from optpass.precision.masters import note_sharded_masters, refuse_step_outside_the_compiled_step
 from optpass.zero1.agreement import agree
-from optpass.zero1.adopt import adopt_unsharded_state, state_summary
+from optpass.zero1.adopt import adopt_unsharded_state, state_digest, state_summary
 from optpass.zero1.layout import Bucket, build_layout, on_masters, trainable_params
 
 
@@ -450,8 +450,13 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
     for index, (g, p) in enumerate(trainable_params(optimizer)):
         label = names.get(id(p), f"#{index}")
         items.append((f"parameter {index} ({label}) of group {g}", (tuple(p.shape), str(p.dtype))))
+    held = [p for _, p in trainable_params(optimizer)]
     items.append(("the optimizer state held before sharding (parameter, keys, scalars; load the same "
-                  "state on every rank)", state_summary(optimizer, [p for _, p in trainable_params(optimizer)])))
+                  "state on every rank)", state_summary(optimizer, held)))
+    items.append(("a digest of the values of the optimizer state held before sharding (eager steps on each "
+                  "rank's own data, or different checkpoints, leave different state: load the same state on "
+                  "every rank, or compile the step with data_parallel='zero1' from the first step)",
+                  state_digest(optimizer, held)))
     return items
 
 
