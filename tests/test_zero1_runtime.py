@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from expecttest import TestCase
 
 import optpass
@@ -476,3 +477,15 @@ class TestShardOptimizerGraph(TestCase):
 +view_14: f32[2, 3] = aten.view(slice_scatter_1, [2, 3])
 +copy__4: f32[2, 3] = aten.copy_(in0, view_14)
 +return (detach_2, None, None, None, None)""")
+
+
+def test_loading_a_sharded_checkpoint_without_torch_distributed_says_how_to_load_it_on_one_process(tmp_path):
+    """The error named data_parallel='zero1', which the user had not set; it now says to run one rank."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = workers.make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(optpass.OptpassError, match=r"load_sharded_checkpoint: torch.distributed is not "
+                                                   r"initialized.*torchrun --nproc-per-node 1"):
+        optpass.load_sharded_checkpoint(str(tmp_path), opt)

@@ -193,6 +193,13 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
             that is not elementwise, a bad partition, the ranks disagree); the checkpoint holds
             no optimizer state, or a number of param groups other than the optimizer's.
     """
+    if optimizer not in _SHARDED and not (dist.is_available() and dist.is_initialized()):
+        raise OptpassError(
+            "load_sharded_checkpoint: torch.distributed is not initialized. A sharded checkpoint is loaded into "
+            "an optimizer sharded over ranks, even one: run under torchrun (torchrun --nproc-per-node 1 for a "
+            "single process) or call torch.distributed.init_process_group('gloo', rank=0, world_size=1, ...) "
+            "first, and compile the step with the options it was saved with (data_parallel='zero1', ...). For a "
+            "model passed to optpass.fully_shard, pass model=.")
     sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
                                                           master_dtype=master_weights)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
