@@ -103,10 +103,17 @@ def test_low_bit_state_dict_resume_equals_an_uninterrupted_run():
     assert max_difference(model, resumed) == 0
 
 
-def test_adamw8bit_steady_step_holds_about_six_bytes_per_parameter():
+# optimizer: (what parameters and state hold per parameter, lowest and highest; a step's bound)
+HELD_BYTES = {"AdamW8bit": (6.0, 6.1, 6.5),      # 4 + two 8-bit moments + an fp32 scale per 256 elements each
+              "AdamW4bit": (5.0, 5.1, 6.25)}     # 4 + two 4-bit moments + an fp32 scale per 128 elements each
+
+
+@pytest.mark.parametrize("name", list(HELD_BYTES))
+def test_low_bit_steady_step_holds_about_six_bytes_per_parameter(name):
+    low, high, bound = HELD_BYTES[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
-    opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
+    opt = getattr(ao, name)(model.parameters(), lr=1e-3)
     step = make_step(model, opt)
     x, y = torch.randn(8, 2048), torch.randint(0, 2048, (8,))
     n = sum(p.numel() for p in model.parameters())
@@ -118,12 +125,41 @@ def test_adamw8bit_steady_step_holds_about_six_bytes_per_parameter():
     # What the model and its optimizer hold (live_at_entry_bytes also counts whatever else of the
     # test process is alive): fp32 parameters 4 + two 8-bit moments 2 + a scale per 256 elements.
     held = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *_state_tensors(opt)])
-    assert 6.0 <= held / n < 6.1
-    # a steady step adds one row chunk of one gradient and its update's temporaries
-    assert (held + steady.growth_bytes) / n <= 6.5, steady
+    assert low <= held / n < high
+    # a steady step adds one row chunk of one gradient and its update's temporaries (4-bit: 12.59
+    # bytes per parameter before its packed codes were chunked)
+    assert (held + steady.growth_bytes) / n <= bound, steady
     # the whole run, the state's creation included, from the parameters up
     parameter_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    assert (parameter_bytes + whole.growth_bytes) / n <= 6.5, whole
+    assert (parameter_bytes + whole.growth_bytes) / n <= bound, whole
+
+
+def test_adamw4bit_update_in_row_chunks_equals_the_whole_update(monkeypatch):
+    """The 4-bit update unpacks two codes a byte (shifts, a cat of the two halves, strided slices to
+    pack them again): made and applied in row chunks, it writes the same codes, scales and
+    parameters, bit for bit, as the same fused update made whole."""
+    from optpass.passes import _row_chunks
+
+    runs = []
+    for chunk_bytes in (_row_chunks.ROW_CHUNK_BYTES, 2 ** 40):    # the 8 MiB gradients: chunked, whole
+        monkeypatch.setattr(_row_chunks, "ROW_CHUNK_BYTES", chunk_bytes)
+        model = mlp()
+        opt = ao.AdamW4bit(model.parameters(), lr=1e-3)
+        step = make_step(model, opt)
+        with optpass.keep_graphs():
+            for x, y in batches(4):
+                step(x, y)
+        graph = [r for r in optpass.recent_reports() if r.kind.value == "step"][-1].graph_after
+        runs.append((model, opt, sum(n.target is torch.ops.aten.slice.Tensor for n in graph.nodes)))
+    (chunked, chunked_opt, chunked_slices), (whole, whole_opt, whole_slices) = runs
+    assert chunked_slices > whole_slices + 32                      # the chunks' row slices
+    assert max_difference(chunked, whole) == 0
+    for p, q in zip(chunked.parameters(), whole.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = chunked_opt.state[p][key], whole_opt.state[q][key]
+            inner = a.__tensor_flatten__()[0] if hasattr(a, "__tensor_flatten__") else []   # a bias's: fp32
+            assert type(a) is type(b) and (all(torch.equal(getattr(a, n), getattr(b, n)) for n in inner)
+                                           if inner else torch.equal(a, b))
 
 
 def _state_tensors(opt) -> list[torch.Tensor]:

@@ -264,11 +264,47 @@ def _rows_factor(node: torch.fx.Node, held: list[torch.fx.Node], layout: dict) -
         if not dims or any(d % _val(first).dim() == 0 for d in dims) or out.shape[0] != _val(first).shape[0]:
             return None
         return layout[first]
+    if node.target in (aten.unsqueeze.default, aten.squeeze.dim) and node.args[0] is first:
+        dim = node.args[1] % (out.dim() if node.target is aten.unsqueeze.default else _val(first).dim())
+        return layout[first] if dim != 0 and out.shape[0] == _val(first).shape[0] else None
+    if node.target is aten.cat.default:
+        return _cat_factor(node, layout, out)
+    if node.target is aten.slice.Tensor and node.args[0] is first:
+        return _strided_rows_factor(node, layout[first], _val(first), out)
     if node.target is aten.index.Tensor and node.args[0] not in layout:
         indices = node.args[1]
         if len(indices) == 1 and indices[0] in layout:
             return Fraction(_static_int(out.shape[0]), _static_int(_val(indices[0]).shape[0])) * layout[indices[0]]
     return None
+
+
+def _cat_factor(node: torch.fx.Node, layout: dict, out) -> Fraction | None:
+    """``cat(values, dim)`` along another dimension than the leading one, of values that all hold the
+    same rows (4-bit codes: each byte's two codes side by side)."""
+    values, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0)
+    if dim % out.dim() == 0 or any(v not in layout for v in values):
+        return None
+    factors = {layout[v] for v in values}
+    if len(factors) != 1 or any(_val(v).shape[0] != out.shape[0] for v in values):
+        return None
+    return factors.pop()
+
+
+def _strided_rows_factor(node: torch.fx.Node, factor: Fraction, source, out) -> Fraction | None:
+    """``slice(x, 0, start, end, step)`` over the whole leading dimension (``start < step``): every
+    step-th entry (4-bit codes packed two a byte take the even and the odd ones). A chunk of
+    ``x`` that starts on a multiple of `step` (the chunks' alignment sees to it: the factor's
+    denominator) gives its own such entries."""
+    dim, start, end, stride = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    size = _static_int(source.shape[0])
+    if dim % source.dim() != 0 or size is None or not isinstance(stride, int) or stride < 1:
+        return None
+    start = start or 0
+    if not 0 <= start < stride or (end is not None and end < size):
+        return None
+    if _static_int(out.shape[0]) != -(-(size - start) // stride):
+        return None
+    return factor / stride
 
 
 def _static_int(size) -> int | None:

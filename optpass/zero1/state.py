@@ -274,7 +274,7 @@ def sharded_optimizer(optimizer: torch.optim.Optimizer, process_group=None, part
         return existing
     for member in optimizers_of(optimizer):               # every rank: the same verdict, before any collective
         refuse_non_elementwise(member, master_dtype)
-    agreed = signature(optimizer, partition, bucket_bytes, names, master_dtype)
+    agreed = signature(optimizer, partition, bucket_bytes, names, master_dtype) + _held_state_values(optimizer)
     if step is not None:
         agreed += step + Replicas.signature(replicated)
     order = agree(pg.group, "zero1", agreed, order)[0]   # rank 0's bucket order (each found its own)
@@ -450,14 +450,18 @@ def signature(optimizer: torch.optim.Optimizer, partition: str, bucket_bytes: in
     for index, (g, p) in enumerate(trainable_params(optimizer)):
         label = names.get(id(p), f"#{index}")
         items.append((f"parameter {index} ({label}) of group {g}", (tuple(p.shape), str(p.dtype))))
-    held = [p for _, p in trainable_params(optimizer)]
     items.append(("the optimizer state held before sharding (parameter, keys, scalars; load the same "
-                  "state on every rank)", state_summary(optimizer, held)))
-    items.append(("a digest of the values of the optimizer state held before sharding (eager steps on each "
-                  "rank's own data, or different checkpoints, leave different state: load the same state on "
-                  "every rank, or compile the step with data_parallel='zero1' from the first step)",
-                  state_digest(optimizer, held)))
+                  "state on every rank)", state_summary(optimizer, [p for _, p in trainable_params(optimizer)])))
     return items
+
+
+def _held_state_values(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
+    """ZeRO-1 takes each rank's rows of the full-size state the user's optimizer holds: every rank must
+    hold the same values (under fsdp each rank holds its own shards' state, so this is zero1's alone)."""
+    return [("a digest of the values of the optimizer state held before sharding (eager steps on each "
+             "rank's own data, or different checkpoints, leave different state: load the same state on "
+             "every rank, or compile the step with data_parallel='zero1' from the first step)",
+             state_digest(optimizer, [p for _, p in trainable_params(optimizer)]))]
 
 
 @torch.no_grad()
