@@ -298,7 +298,8 @@ def fsdp_low_bit_checkpoint(rank: int, world: int, directory: str, role: str, op
     rows = slice(rank * 12 // world, (rank + 1) * 12 // world)
     model = resharded_mlp()
     optpass.fully_shard(model)
-    opt = getattr(torchao.optim, optimizer_class)(model.parameters(), lr=1e-3)
+    module = torch.optim if optimizer_class == "AdamW" else torchao.optim          # AdamW: torch.optim's
+    opt = getattr(module, optimizer_class)(model.parameters(), lr=1e-3)
     if role == "resume":
         _load(directory, model, opt, api)
         loaded = _full_moments(model, opt)

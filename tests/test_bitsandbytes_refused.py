@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import optpass
+import low_bit_workers
+from low_bit_workers import training_step
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -21,21 +23,11 @@ def mlp() -> torch.nn.Module:
 
 def batches(n):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(32, 256, generator=g), torch.randn(32, 64, generator=g)) for _ in range(n)]
+    return [(torch.randn(32, 256, generator=g), torch.randint(0, 64, (32,), generator=g)) for _ in range(n)]
 
 
-def training_step(model, opt):
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return step
-
-
-STEP_LINE = inspect.getsourcelines(training_step)[1] + 5     # opt.step()
+_LINES, _FIRST = inspect.getsourcelines(training_step)
+STEP_LINE = _FIRST + next(i for i, line in enumerate(_LINES) if "opt.step()" in line)   # in the step's own file
 
 
 @pytest.mark.parametrize("options", [{}, {"optimizer_in_backward": True}], ids=["plain", "optimizer_in_backward"])
@@ -52,7 +44,7 @@ def test_a_bitsandbytes_optimizer_is_refused_naming_the_step_line_and_torchao(na
         step(x, y)
     message = str(refused.value)
     assert f"bitsandbytes' {name if options else 'optimizer'}" in message
-    assert f"{__file__}:{STEP_LINE} in step" in message
+    assert f"{low_bit_workers.__file__}:{STEP_LINE} in step" in message
     assert "cannot mutate tensors with frozen storage" in message
     assert "torchao.optim.AdamW8bit" in message
     # refused before anything ran: no parameter moved
@@ -67,7 +59,7 @@ def test_the_bitsandbytes_step_outside_the_compiled_function_trains_as_eager():
         opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
 
         def forward_backward(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             return loss.detach()
         run = torch.compile(forward_backward, backend=backend) if backend else forward_backward
@@ -81,4 +73,4 @@ def test_the_bitsandbytes_step_outside_the_compiled_function_trains_as_eager():
     assert torch.allclose(torch.stack(eager_losses), torch.stack(compiled_losses), atol=1e-6)
     assert opt.state[compiled[0].weight]["state1"].dtype == torch.uint8      # bitsandbytes' 8-bit moments
     for p, q in zip(eager.parameters(), compiled.parameters()):
-        assert (p - q).abs().max().item() <= 1e-5
+        assert (p - q).abs().max().item() <= 5e-5       # compiled gradients round otherwise; 8-bit codes follow

@@ -312,6 +312,11 @@ def test_fsdp_with_adamw8bit_quantizes_moments_saved_fp32_when_loaded_on_fewer_r
                           timeout_s=900, pg_timeout_s=120):
         assert isinstance(rank, RankError) and rank.type == "OptpassError", rank
         assert "saved with another quantization" in rank.message and "AdamW4bit" in rank.message, rank.message
+    # and torch.optim's AdamW would have been handed codes as its state
+    for rank in run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW",
+                          timeout_s=900, pg_timeout_s=120):
+        assert isinstance(rank, RankError) and rank.type == "OptpassError", rank
+        assert "is a quantized moment's" in rank.message and "not AdamW" in rank.message, rank.message
 
 
 def test_fsdp_with_adamw8bit_resumed_through_torchs_state_dict_api_keeps_quantized_moments(tmp_path):

@@ -303,6 +303,11 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             p, spec = by_name[name], shard_spec(by_name[name])
             size = tuple(getattr(md, "size", ()) or ())
             target = fresh.setdefault(p, {})
+            if low_bit is None and key.rpartition(".")[2] in low_bit_checkpoint.INNER_NAMES:
+                raise OptpassError(
+                    f"fsdp checkpoint: optimizer state {key!r} of {name} is a quantized moment's, saved with one of "
+                    f"torchao's low-bit optimizers: load it with the optimizer class it was saved with, not "
+                    f"{type(optimizer).__name__}.")
             read_into = low_bit.destination(target, p, spec, key, md) if low_bit is not None else None
             if read_into is not None:
                 entries.setdefault(name, {})[key] = read_into
