@@ -255,10 +255,13 @@ def test_explain_with_a_low_bit_optimizer_shows_the_fused_update():
     """Under explain's trace torchao's moments came with symbolic sizes, passed as inputs of their own
     (found by a fresh user: explain refused every torchao optimizer); they are the moments' fixed sizes."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    # moments of three quantized shapes: explain's harvest made symbols in the step's shape env, and
+    # Dynamo failed creating the step's guards ("IndexError: list index out of range": a fresh user)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 16))
     opt = ao.AdamW8bit(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    text = str(optpass.explain(training_step(model, opt), torch.randn(4, 256), torch.randint(0, 8, (4,)),
+    text = str(optpass.explain(training_step(model, opt), torch.randn(4, 64), torch.randint(0, 16, (4,)),
                                options={"optimizer": opt, "optimizer_in_backward": True}))
     assert "pass optimizer_in_backward: applied" in text, text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -267,16 +270,17 @@ def test_explain_with_a_low_bit_optimizer_shows_the_fused_update():
 def test_fsdp_with_adamw8bit_resumes_from_a_sharded_checkpoint_on_as_many_ranks_exactly_and_on_more(tmp_path):
     """optpass.save_sharded_checkpoint of a fully sharded model stores each quantized moment's codes and
     block scales (each shard's blocks are the parameter's own), so a run that loads it on as many ranks
-    continues bit for bit. On 3 ranks the first weight's shards are quantized again (codes and scales
-    read in place) and the head's 3-row shards are under torchao's 4096 elements: its moments are
-    dequantized from the saved codes. Either way every moment starts where the saving run left it."""
+    continues bit for bit. On 3 ranks the [1024, 256] weight's shards are quantized again (codes and
+    scales read in place); the [256, 64] weight's shards are not whole blocks there and the head's are
+    under torchao's 4096 elements: their moments are dequantized from the saved codes. Either way every
+    moment starts where the saving run left it."""
     import low_bit_workers as workers
     from distributed import run_ranks, values
 
     directory = str(tmp_path / "checkpoint")
     saved = values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "save", timeout_s=900, pg_timeout_s=120))
-    quantized = ["0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized",
-                 "2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"]
+    quantized = [f"{layer}.weight.{key}.quantized" for layer in (0, 2, 4) for key in ("exp_avg", "exp_avg_sq")]
+    on_three = ["2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"]
     assert saved[0]["quantized"] == quantized
     for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume",
                                  timeout_s=900, pg_timeout_s=120)):
@@ -285,15 +289,15 @@ def test_fsdp_with_adamw8bit_resumes_from_a_sharded_checkpoint_on_as_many_ranks_
         assert rank["vs_saving_run"] == 0.0, rank
     for rank in values(run_ranks(3, workers.fsdp_low_bit_checkpoint, directory, "resume",
                                  timeout_s=900, pg_timeout_s=120)):
-        assert rank["quantized"] == quantized[:2], rank["quantized"]              # the head's shards: fp32
+        assert rank["quantized"] == on_three, rank["quantized"]                  # the others' shards: fp32
         assert all(error == 0.0 for error in rank["moment_error"].values()), rank["moment_error"]
         assert rank["vs_saving_run"] < 1e-3, rank                                 # gradients summed otherwise
 
 
 def test_fsdp_with_adamw8bit_quantizes_moments_saved_fp32_when_loaded_on_fewer_ranks(tmp_path):
-    """Saved on 3 ranks (the head's moments fp32 there), loaded on 2, where torchao quantizes the head's
-    shards: its moments are quantized from the saved values (within a code step of the block's
-    largest), the first weight's codes and scales read in place."""
+    """Saved on 3 ranks (the [256, 64] weight's and the head's moments fp32 there), loaded on 2, where
+    torchao quantizes their shards: their moments are quantized from the saved values (within a code
+    step of the block's largest), the [1024, 256] weight's codes and scales read in place."""
     import low_bit_workers as workers
     from distributed import RankError, run_ranks, values
 
@@ -301,11 +305,12 @@ def test_fsdp_with_adamw8bit_quantizes_moments_saved_fp32_when_loaded_on_fewer_r
     run_ranks(3, workers.fsdp_low_bit_checkpoint, directory, "save", timeout_s=900, pg_timeout_s=120)
     for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume",
                                  timeout_s=900, pg_timeout_s=120)):
-        assert rank["saved_quantized"] == ["0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized"]
-        assert "2.weight.exp_avg.quantized" in rank["quantized"]
+        assert rank["saved_quantized"] == ["2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"]
+        assert "4.weight.exp_avg.quantized" in rank["quantized"] and "0.weight.exp_avg.quantized" in rank["quantized"]
         errors = rank["moment_error"]
-        assert all(errors[k] == 0.0 for k in errors if not k.startswith("2.weight")), errors
-        assert 0.0 < errors["2.weight.exp_avg"] < 0.02 and 0.0 < errors["2.weight.exp_avg_sq"] < 0.02, errors
+        requantized = [f"{layer}.weight.{key}" for layer in (0, 4) for key in ("exp_avg", "exp_avg_sq")]
+        assert all(errors[k] == 0.0 for k in errors if k not in requantized), errors
+        assert all(0.0 < errors[k] < 0.02 for k in requantized), errors
         assert rank["vs_saving_run"] < 1e-3, rank
     # another quantization (4-bit codes, blocks of 128) cannot read these codes: refused, not misread
     for rank in run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW4bit",
@@ -333,7 +338,12 @@ def test_fsdp_with_adamw8bit_resumed_through_torchs_state_dict_api_keeps_quantiz
     for rank in values(run_ranks(2, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW8bit", "torch",
                                  timeout_s=900, pg_timeout_s=120)):
         assert rank["quantized"] == rank["saved_quantized"] == [
-            "0.weight.exp_avg.quantized", "0.weight.exp_avg_sq.quantized",
-            "2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"], rank
+            f"{layer}.weight.{key}.quantized" for layer in (0, 2, 4) for key in ("exp_avg", "exp_avg_sq")], rank
+        assert max(rank["moment_error"].values()) < 2e-2, rank["moment_error"]
+        assert rank["vs_saving_run"] < 2e-3, rank
+    # on 3 ranks (DCP cut the pickled 8-bit moments of 512 rows at 342 and torchao refused: a fresh user)
+    for rank in values(run_ranks(3, workers.fsdp_low_bit_checkpoint, directory, "resume", "AdamW8bit", "torch",
+                                 timeout_s=900, pg_timeout_s=120)):
+        assert rank["quantized"] == ["2.weight.exp_avg.quantized", "2.weight.exp_avg_sq.quantized"], rank
         assert max(rank["moment_error"].values()) < 2e-2, rank["moment_error"]
         assert rank["vs_saving_run"] < 2e-3, rank

@@ -165,7 +165,10 @@ def adopt_optimizer(optimizer, spec_of, on_loaded=None) -> None:
                         f"optimizer state_dict: state {key!r} of {spec.name} has shape {tuple(value.shape)}, not "
                         f"its shard's {tuple(spec.shard_shape)}: only elementwise optimizer state of a parameter "
                         "sharded by optpass.fully_shard can be expressed as the parameter's DTensor.")
-                entries[key] = as_dtensor(value, spec)
+                # a torchao quantized moment as its values: DCP writes and reshards plain tensors (it
+                # pickled the subclass whole, which no other number of ranks could read); the load
+                # quantizes them again (as_loaded_moment)
+                entries[key] = as_dtensor(value.dequantize() if low_bit_states.is_quantized(value) else value, spec)
         return state_dict
 
     def to_shards(opt, state_dict):

@@ -355,6 +355,14 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
     ``OptimizerList`` (several optimizers): each member's update, harvested from that member."""
     if isinstance(optimizer, OptimizerList):
         return _harvest_each_member(optimizer, names)
+    # optpass.explain harvests while Dynamo compiles the user's step: outside that compile's tracing
+    # context, or the harvest's sizes become symbols of the step's shape env, which has no source for
+    # them (Dynamo failed creating the step's guards with torchao's moments of several shapes)
+    with torch._guards.tracing(None):
+        return _harvest(optimizer, names)
+
+
+def _harvest(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
     if low_bit_states.is_low_bit(optimizer):
         low_bit_states.create_missing_state(optimizer, list(names.values()))
     representative = _representatives(optimizer, names)
