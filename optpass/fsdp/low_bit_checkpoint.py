@@ -113,7 +113,7 @@ class LowBitLoad:
             flat = getattr(target, inner).reshape(-1) if ratio is not None else None
             if flat is not None and self._matches(md, spec, ratio, flat.dtype):
                 return _flat_sharded(flat, spec, ratio)               # read in place, bit for bit
-            raise self._other_quantization(spec, base, inner, md)
+            raise self._other_quantization(spec, base, inner, tuple(md.size), md.properties.dtype)
         # fp32 here: the whole parameter's codes and scales, dequantized once both are read
         whole = self._whole.setdefault((id(p), base), {})
         if not whole:
@@ -125,10 +125,10 @@ class LowBitLoad:
     def _matches(md, spec: ShardSpec, ratio: Fraction, dtype: torch.dtype) -> bool:
         return tuple(md.size) == (math.ceil(spec.numel * ratio),) and md.properties.dtype == dtype
 
-    def _other_quantization(self, spec, base, inner, md) -> OptpassError:
+    def _other_quantization(self, spec, base, inner, size: tuple, dtype) -> OptpassError:
         return OptpassError(
-            f"fsdp checkpoint: {spec.name}'s {base}.{inner} was saved with another quantization ({tuple(md.size)} "
-            f"{md.properties.dtype}) than this {type(self.optimizer).__name__}'s (block_size "
+            f"fsdp checkpoint: {spec.name}'s {base}.{inner} was saved with another quantization ({size} "
+            f"{dtype}) than this {type(self.optimizer).__name__}'s (block_size "
             f"{self.optimizer.block_size}): load it with the optimizer class and block_size it was saved with.")
 
     def _dequantized_rows(self, whole: dict, spec: ShardSpec, base: str, like: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,8 @@ class LowBitLoad:
         for inner, ratio in low_bit_states.inner_rows(moment).items():
             saved = whole.get(inner)
             if saved is None or not self._matches_whole(saved, spec, ratio, getattr(moment, inner).dtype):
-                raise self._other_quantization(spec, base, inner, _Described(saved))
+                raise self._other_quantization(spec, base, inner, tuple(saved.shape) if saved is not None else (),
+                                               saved.dtype if saved is not None else None)
             getattr(moment, inner).reshape(-1)[:saved.numel()].copy_(saved)
         values = moment.dequantize(like.dtype)[:spec.numel].reshape(spec.saved_shape)
         rows = torch.zeros(like.shape, dtype=like.dtype)
@@ -156,10 +157,3 @@ class LowBitLoad:
             for after in self._after:
                 after()
 
-
-class _Described:
-    """A read tensor described as DCP's metadata describes an entry (for the refusal's message)."""
-
-    def __init__(self, tensor: torch.Tensor | None) -> None:
-        self.size = tuple(tensor.shape) if tensor is not None else ()
-        self.properties = TensorProperties(dtype=tensor.dtype if tensor is not None else None)

@@ -149,15 +149,20 @@ def inner_rows(value) -> dict[str, Fraction]:
             if name not in _FIXED_INNER}
 
 
-def stored_bytes(value) -> int:
-    """Bytes a state value holds: a quantized one's inner tensors (codes, scales, map), not its
-    nominal fp32 size."""
+def stored_tensors(value) -> list[torch.Tensor]:
+    """The tensors a state value keeps its numbers in: a quantized one's inner tensors (codes, scales,
+    map), a plain tensor itself, nothing for a non-tensor entry."""
     if not isinstance(value, torch.Tensor):
-        return 0
+        return []
     if not is_quantized(value):
-        return value.numel() * value.element_size()
+        return [value]
     names, _ = value.__tensor_flatten__()
-    return sum(stored_bytes(getattr(value, name)) for name in names)
+    return [getattr(value, name) for name in names]
+
+
+def stored_bytes(value) -> int:
+    """Bytes a state value holds: a quantized one's inner tensors, not its nominal fp32 size."""
+    return sum(t.numel() * t.element_size() for t in stored_tensors(value))
 
 
 @contextlib.contextmanager

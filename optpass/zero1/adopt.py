@@ -75,15 +75,6 @@ def state_summary(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) 
     return tuple(summary)
 
 
-def _stored_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors a state value keeps its numbers in: itself, or a quantized moment's inner tensors."""
-    if not isinstance(value, torch.Tensor):
-        return []
-    if low_bit_states.is_quantized(value):
-        return [getattr(value, name) for name in value.__tensor_flatten__()[0]]
-    return [value]
-
-
 @torch.no_grad()
 def state_digest(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> str | None:
     """A digest of the bytes of every state tensor held for `params` before sharding (and of a
@@ -93,7 +84,7 @@ def state_digest(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -
     process after 3 more steps, silently). Bytes, not sums: a sum's rounding can depend on threads."""
     _unpack_master_weights_entry(optimizer)
     tensors = [t for p in params for _, v in sorted((optimizer.state.get(p) or {}).items())
-               for t in _stored_tensors(v)]
+               for t in low_bit_states.stored_tensors(v)]
     tensors += list(_UNPACKED_MASTERS.get(optimizer, {}).values())
     if not tensors:
         return None
