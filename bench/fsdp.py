@@ -19,7 +19,16 @@ other):
 * ``optpass-fsdp-bf16``      -- optpass fsdp in backward with bf16 parameters and
   ``master_weights=torch.float32`` (fp32 master shards);
 * ``optpass-fsdp-eager``     -- ``optpass-fsdp`` with ``lower="eager"`` (the rewritten aten graph run
-  op by op, no Inductor).
+  op by op, no Inductor);
+* ``fsdp2-hooks``            -- ``fsdp2`` with the update in post-accumulate-grad hooks on the sharded
+  parameters, one AdamW per parameter (torchtitan's former optimizer-in-backward): no clipping.
+
+With ``--tp T`` (a Llama) every variant runs on a 2-D mesh of ``world / T`` data-parallel by ``T``
+tensor-parallel ranks: torchtitan's plan (``optpass.plans.hugging_face_llama``, sequence parallel) on
+``mesh["tp"]``, then FSDP2's ``fully_shard`` or ``optpass.fully_shard`` over ``mesh["dp"]`` per unit
+and the root; each dp rank trains on its own batch, the tp ranks of a dp rank on the same one, and
+bytes per parameter are per rank: the full model's parameters / (dp x tp). Physics (fp32 AdamW):
+16 bytes per parameter per rank for FSDP2 + TP, 12 with the update in backward.
 
 Models (``--model``): ``mlp`` (``--depth`` units of ``Linear(w, w)`` + ReLU; default 8 x 2048^2,
 33.6M parameters) or ``llama`` (a random-init Hugging Face ``LlamaForCausalLM``, ``--depth``
@@ -54,6 +63,8 @@ Usage::
     python3 bench/fsdp.py --model llama --optimizer adamw8bit --variants fsdp2 optpass-fsdp optpass-zero1
     python3 bench/fsdp.py --model llama --depth 4 --vocab 32000 --worlds 2 --clip 1.0 \
         --variants fsdp2 optpass-fsdp       # torchtitan's step: clip_grad_norm_ / clip_grad_norm 1.0
+    python3 bench/fsdp.py --model llama --tp 2 --worlds 4 --width 512 --depth 4 --vocab 16000 --batch 1 \
+        --seq 128 --clip 1.0 --variants fsdp2 fsdp2-hooks optpass-fsdp   # FSDP + TP on dp 2 x tp 2
 """
 
 from __future__ import annotations
@@ -68,7 +79,8 @@ import time
 from _measure import (CPUTensorBytes, add_rank_flags, child_command, child_env, emit_result, init_gloo,
                       proc_status_kib, run_ranks, training_step, waited_per_step)
 
-VARIANTS = ("fsdp2", "fsdp2-compile", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1", "optpass-fsdp-bf16", "optpass-fsdp-eager")
+VARIANTS = ("fsdp2", "fsdp2-compile", "fsdp2-hooks", "optpass-fsdp", "optpass-fsdp-after", "optpass-zero1",
+            "optpass-fsdp-bf16", "optpass-fsdp-eager")
 
 
 def build(args):
@@ -92,9 +104,10 @@ def build(args):
 
 
 def batches(args, rank: int, world: int):
+    """Each data-parallel rank its own batches; the tensor-parallel ranks of one the same."""
     import torch
 
-    g = torch.Generator().manual_seed(1 + rank)
+    g = torch.Generator().manual_seed(1 + rank // args.tp)
     while True:
         if args.model == "llama":
             tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
@@ -195,11 +208,18 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             model.to(torch.bfloat16)
         full_params = sum(p.numel() for p in model.parameters())
         unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
+        dp_mesh = None
+        if args.tp > 1:                             # 2-D: the plan on mesh["tp"], sharding over mesh["dp"]
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh_2d = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+            optpass.plans.hugging_face_llama(model, mesh_2d["tp"])
+            dp_mesh = mesh_2d["dp"]
         if variant.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = dp_mesh if dp_mesh is not None else init_device_mesh("cpu", (world,))
             for unit in units:
                 if variant == "fsdp2-compile":
                     unit.compile()
@@ -207,15 +227,18 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
         elif variant.startswith("optpass-fsdp"):
             for unit in units:                      # FSDP2's calls: every unit, then the root
-                optpass.fully_shard(unit)
-            optpass.fully_shard(model)
+                optpass.fully_shard(unit, mesh=dp_mesh)
+            optpass.fully_shard(model, mesh=dp_mesh)
         gc.collect()
     resident = tensor_bytes(local(p) for p in model.parameters())
     data = batches(args, rank, world)
     times = []
     with live.mark(f"{variant}/train"):
         opt = make_optimizer(args.optimizer, model.parameters())
-        if variant.startswith("fsdp2"):
+        if variant == "fsdp2-hooks":
+            opt = in_backward_hooks(args.optimizer, model)
+            step = training_step(loss_fn(args, model), opt)
+        elif variant.startswith("fsdp2"):
             step = training_step(loss_fn(args, model), opt, list(model.parameters()), args.clip)
         else:
             options = {"optimizer": opt, "data_parallel": "zero1" if variant == "optpass-zero1" else "fsdp",
@@ -243,7 +266,8 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
             step(x, y)
             times.append(time.perf_counter() - began)
     holder = sharded_state(opt).shard_optimizer if variant == "optpass-zero1" else opt   # zero1 keeps its own
-    state = sum(stored_bytes(local(v)) for s in holder.state.values() for v in s.values()
+    holders = holder.optimizers if variant == "fsdp2-hooks" else [holder]
+    state = sum(stored_bytes(local(v)) for h in holders for s in h.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     if variant == "optpass-fsdp-bf16":             # and the fp32 master shards
         state += tensor_bytes(optpass.master_weights(opt).values())
@@ -260,6 +284,34 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     gc.collect()
     dist.barrier()
     return result
+
+
+class _StepsInHooks:
+    """What the step calls for ``fsdp2-hooks``: each parameter's optimizer steps in its
+    post-accumulate-grad hook (torchtitan's former optimizer-in-backward), so ``step`` and
+    ``zero_grad`` have nothing left to do."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
+
+def in_backward_hooks(name: str, model) -> _StepsInHooks:
+    """One optimizer per (sharded) parameter, stepped and cleared in its post-accumulate-grad hook."""
+    optimizers = {}
+    for p in model.parameters():
+        optimizers[p] = make_optimizer(name, [p])
+
+        def hook(param):
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+        p.register_post_accumulate_grad_hook(hook)
+    return _StepsInHooks(list(optimizers.values()))
 
 
 def rank_main(args) -> None:
@@ -297,6 +349,8 @@ def summarize(world: int, ranks: list[dict], args) -> dict:
            "bytes_per_param": {v: worst[v] / P for v in args.variants},
            "resident_over_P_N": {v: max(r[v]["resident_param_bytes"] for r in ranks) / (4 * P / world)
                                  for v in args.variants},
+           # per rank: the model's parameters over every rank (dp x tp)
+           "bytes_per_param_per_rank": {v: worst[v] / (P / world) for v in args.variants},
            "ranks": ranks}
     if "fsdp2" in args.variants and "optpass-fsdp" in args.variants:
         out["peak_vs_fsdp2"] = worst["optpass-fsdp"] / worst["fsdp2"]
@@ -308,6 +362,10 @@ def summarize(world: int, ranks: list[dict], args) -> dict:
     if "optpass-fsdp-bf16" in args.variants:
         out["budget_bf16_bytes"] = 14 * P / world + 3 * unit / 2   # bf16 units
     return out
+
+
+def s_dp(summary: dict, args) -> int:
+    return summary["world"] // args.tp
 
 
 def main() -> None:
@@ -332,6 +390,8 @@ def main() -> None:
                         help="global-norm clipping: clip_grad_norm_ for fsdp2, options clip_grad_norm for optpass")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"),
                         help="torch.optim's AdamW, or torchao's AdamW8bit (every variant)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: a 2-D mesh of world/tp x tp ranks (a Llama only)")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_rank_flags(parser)
@@ -343,11 +403,16 @@ def main() -> None:
         return
     if args.quick:
         args.width, args.worlds, args.steps = 256, [2], 3
+    if args.tp > 1 and (args.model != "llama" or any(w % args.tp for w in args.worlds)
+                        or {"optpass-zero1", "fsdp2-compile"} & set(args.variants)):
+        parser.error("--tp needs --model llama, world sizes it divides, and no optpass-zero1 / fsdp2-compile "
+                     "(zero1 is refused over a tensor-parallel model; a tensor-parallel block compiled alone "
+                     "fails in backward on torch 2.13)")
     summaries = []
     for world in args.worlds:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
-                            threads=args.threads, clip=args.clip, optimizer=args.optimizer)
+                            threads=args.threads, clip=args.clip, optimizer=args.optimizer, tp=args.tp)
         if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
             runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
                     for v in args.variants]
@@ -357,12 +422,14 @@ def main() -> None:
         summaries.append(summarize(world, ranks, args))
     print(f"model {args.model}: {summaries[0]['params'] / 1e6:.1f}M parameters, largest unit "
           f"{summaries[0]['unit_bytes'] / 2**20:.1f} MiB fp32")
-    print("\n| ranks | variant | worst-rank peak MiB | bytes/param | params resident / (P/N) | step ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| ranks | variant | worst-rank peak MiB | bytes/param | bytes/param per rank | params resident / (P/N) "
+          "| step ms |")
+    print("|---|---|---|---|---|---|---|")
     for s in summaries:
         for v in args.variants:
-            print(f"| {s['world']} | {v} | {s['worst_peak_bytes'][v] / 2**20:.1f} | {s['bytes_per_param'][v]:.2f} "
-                  f"| {s['resident_over_P_N'][v]:.2f} | {s['step_s'][v] * 1e3:.1f} |")
+            print(f"| {s['world']}{f' (dp {s_dp(s, args)} x tp {args.tp})' if args.tp > 1 else ''} | {v} "
+                  f"| {s['worst_peak_bytes'][v] / 2**20:.1f} | {s['bytes_per_param'][v]:.2f} "
+                  f"| {s['bytes_per_param_per_rank'][v]:.2f} | {s['resident_over_P_N'][v]:.2f} | {s['step_s'][v] * 1e3:.1f} |")
     print("\n| ranks | variant | whole-run peak RSS MiB | RSS at start MiB | first step (compile) s |")
     print("|---|---|---|---|---|")
     for s in summaries:

@@ -25,6 +25,13 @@ The data is a fixed synthetic token stream, the same global batch at each step w
 of ranks (each rank takes its rows), so a run resumed on another number of ranks continues the same
 run. Each rank writes ``--out/losses-from-<first step>-rank<r>.json`` with the losses of the steps it ran.
 
+With ``--tp 2`` on 4 ranks the model is trained on a 2-D mesh (FSDP over dp 2 x tensor parallel over
+tp 2: torchtitan's Llama plan, ``optpass.plans.hugging_face_llama``); ``--float8`` converts every
+Linear but the head to torchao's Float8 training (``--width`` a multiple of 16):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 examples/torchtitan_train.py \
+        --tp 2 --float8 --steps 6 --out /tmp/titan_2d
+
 CPU and gloo here (a tiny config by default); on GPUs initialize NCCL and build on ``cuda``.
 """
 
@@ -58,11 +65,27 @@ def llama_config(args):
 
 
 def build_model(args, mesh):
-    """Meta build, per-layer activation checkpointing, per-layer then root sharding, materialize."""
+    """Meta build, per-layer activation checkpointing, per-layer then root sharding, materialize.
+
+    With ``--tp`` (a 2-D mesh): built on the CPU with the same seed on every rank (a tensor-parallel
+    plan under optpass.fully_shard is not built from the meta device yet), the plan on mesh["tp"]
+    first, then checkpointing and fully_shard over mesh["dp"], torchtitan's order. With ``--float8``
+    every Linear becomes torchao's Float8Linear before any of that."""
     import transformers
 
-    with torch.device("meta"):
+    if args.tp > 1:
+        torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(llama_config(args))
+    else:
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(llama_config(args))
+    if args.float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
+    if args.tp > 1:
+        optpass.plans.hugging_face_llama(model, mesh["tp"])
+        mesh = mesh["dp"]
     layers = model.model.layers
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer)              # torchtitan's full activation checkpointing
@@ -70,9 +93,10 @@ def build_model(args, mesh):
     for layer in layers:
         optpass.fully_shard(layer, mesh=mesh, mp_policy=policy)
     optpass.fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.to_empty(device="cpu")                            # this rank's shards only
-    torch.manual_seed(0)                                    # the same seed on every rank
-    model.init_weights()                                    # writes each rank's rows of the init
+    if args.tp == 1:
+        model.to_empty(device="cpu")                        # this rank's shards only
+        torch.manual_seed(0)                                # the same seed on every rank
+        model.init_weights()                                # writes each rank's rows of the init
     return model
 
 
@@ -116,12 +140,17 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=12, help="divisible by the number of ranks")
     parser.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: a 2-D mesh of world/tp x tp")
+    parser.add_argument("--float8", action="store_true", help="torchao's Float8 training for every Linear but the head")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")                         # "nccl" on GPUs
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert args.global_batch % world == 0, "--global-batch must be divisible by the number of ranks"
-    mesh = init_device_mesh("cpu", (world,))
+    assert world % args.tp == 0, "--tp must divide the number of ranks"
+    dp, dp_rank = world // args.tp, rank // args.tp
+    assert args.global_batch % dp == 0, "--global-batch must be divisible by the data-parallel ranks"
+    mesh = (init_device_mesh("cpu", (world,)) if args.tp == 1 else
+            init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp")))
     model = build_model(args, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(args.lr), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
@@ -152,11 +181,11 @@ def main() -> None:
         "optimizer": opt, "optimizer_in_backward": True, "data_parallel": "fsdp",
         "clip_grad_norm": 1.0, "lower": args.lower})
 
-    per_rank = args.global_batch // world
+    per_rank = args.global_batch // dp                     # the tp ranks of a dp rank: the same rows
     losses, lrs = {}, {}
     for step in range(start, args.steps):
         began = time.perf_counter()
-        tokens = global_batch(step, args)[rank * per_rank:(rank + 1) * per_rank]
+        tokens = global_batch(step, args)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         lr = float(scheduler.get_last_lr()[0])              # this step's
         loss = train_step(tokens)
         scheduler.step()
@@ -178,7 +207,7 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"losses-from-{start}-rank{rank}.json"), "w") as f:
-        json.dump({"world": world, "start": start, "losses": losses, "lrs": lrs}, f)
+        json.dump({"world": world, "tp": args.tp, "start": start, "losses": losses, "lrs": lrs}, f)
     dist.destroy_process_group()
 
 

@@ -37,7 +37,7 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("zero1", "fsdp"):                           # a submodule, loaded on first use
+    if name in ("zero1", "fsdp", "plans"):                  # a submodule, loaded on first use
         return importlib.import_module(f"optpass.{name}")
     raise AttributeError(f"module 'optpass' has no attribute {name!r}")
 __all__ = [

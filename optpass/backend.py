@@ -25,7 +25,7 @@ from optpass.dynamo_scope import keep_compile_end_callback, mark_optpass_backend
 from optpass.errors import OptpassError, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, shard_spec
-from optpass.legality import (check_every_update_is_handled, check_no_distributed_tensor_parameters, check_fsdp, check_grad_scaler,
+from optpass.legality import (check_every_update_is_handled, check_tensor_parallel, check_fsdp, check_grad_scaler,
                               check_hyperparameter_writes, check_master_weights, check_optimizer_in_backward,
                               check_zero1, ends_at_optimizer_step)
 from optpass.optim.bitsandbytes_refusal import refuse_bitsandbytes
@@ -34,6 +34,7 @@ from optpass.options import Options, optimizers_of
 from optpass.passes.shard_optimizer import EXPLAIN_KEY as SHARD_EXPLAINED
 from optpass.precision.masters import master_state, refuse_without_low_precision
 from optpass.report import GraphReport, record
+from optpass.tensor_parallel import is_dtensor, note_context_parallel
 from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulation
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
@@ -46,6 +47,8 @@ from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signa
 enable_backward_capture()
 # Dynamo's error for a vmap over an empty batch (before any graph reaches optpass) names pad_batch.
 keep_compile_end_callback(note_an_empty_vmap)
+# A step inside torch's context_parallel that fails while Dynamo traces: the error names context parallelism.
+keep_compile_end_callback(note_context_parallel)
 # A BatchNorm under torch.func fails while Dynamo traces: for an optpass compile, an OptpassError naming it.
 refuse_batch_norm_in_vmaps()
 
@@ -143,8 +146,9 @@ def _compile(gm, example_inputs, options, mode):
     warn_optimizer_step_in_loop(captured, options)
     # A float lr changed by a scheduler recompiles the optimizer every step: say so, with the fix.
     warn_if_update_recompiles(captured)
-    # DTensor parameters (tensor parallelism): refused, with what works today.
-    check_no_distributed_tensor_parameters(captured, options)
+    # DTensor parameters (tensor parallelism): trained on each rank's local tensors; what cannot be
+    # (context parallel, data_parallel over them, a non-elementwise update of a shard) refused.
+    check_tensor_parallel(captured, options)
     # Parameters sharded by fully_shard: trained with data_parallel='fsdp' only, and all of them.
     check_fully_sharded(captured, options)
     # An optimizer's step() over parameters that no optimizer in options holds: refused under
@@ -198,6 +202,9 @@ def _warn_undistributed(captured, options) -> None:
     global _warned_undistributed
     if options.data_parallel is not None or captured.kind is not GraphKind.STEP or not several_ranks():
         return
+    meshes = [p.tensor.device_mesh for p in captured.params if is_dtensor(p.tensor)]
+    if meshes and max(mesh.size() for mesh in meshes) == dist.get_world_size():
+        return                     # tensor parallel over every rank: the ranks train one model together
     where = captured.backward_line
     announce_undistributed(f"its step at {where}" if where is not None else "its step")
     if not _warned_undistributed:

@@ -54,8 +54,10 @@ from optpass.capture import (OPTIMIZER_SPLIT, SUPPORTED_SHAPE, CapturedGraph, Gr
                              is_existing_gradient, readable_source, source_name)
 from optpass.errors import (OptpassError, SourceLine, node_user_line, stack_frames, user_line_from_frames,
                             warn_at_user_line)
+from optpass.optim.elementwise import non_elementwise_ops
 from optpass.options import optimizers_of
 from optpass.precision.masters import step_outside_message
+from optpass.tensor_parallel import context_parallel_active, context_parallel_message, has_partial, is_dtensor, placements_text, sharded
 
 _PARALLEL_COLLECTIVE_NAMES = ("send", "recv", "all_to_all", "alltoall")
 
@@ -568,38 +570,57 @@ def _is_gradient_plumbing(node: torch.fx.Node) -> bool:
 _WARNED_UNLISTED: set[tuple[str, int] | None] = set()
 
 
-def check_no_distributed_tensor_parameters(captured: CapturedGraph, options) -> None:
-    """Parameters that are DTensors (tensor, sequence or context parallelism by ``parallelize_module``):
-    optpass's capture, legality and rewrites reason about plain tensors (a gradient is its parameter's,
-    a collective is one optpass placed), so a step that traces backward over them, or any graph of a
-    step whose options ask for a rewrite, is refused. torch's FSDP2 holds DTensors too, but Dynamo never
-    compiles its forward into the step (backward runs eagerly, docs/design.md §49): its update graph
-    alone is lowered as it is."""
+def check_tensor_parallel(captured: CapturedGraph, options) -> None:
+    """Parameters that are DTensors (``parallelize_module``'s tensor and sequence parallelism): the
+    step trains on each rank's local tensors, with DTensor's collectives in the graph
+    (``optpass/tensor_parallel.py``). Refused, with the reason and what works: torch's context
+    parallelism (its ring attention), a parameter that is a partial sum, data_parallel over a
+    tensor-parallel model, and an update that mixes a sharded parameter's elements (Muon, Adafactor:
+    each rank would update its shard as if it were the whole parameter). torch's FSDP2 holds DTensors
+    too, but Dynamo never compiles its forward into the step (backward runs eagerly, docs/design.md
+    §49): refused or warned where that is found."""
     if captured.forward_outside is not None:
         return                      # refused or warned with the wrapper that ran the forward (FSDP2, DDP)
-    dtensors = [p.name for p in captured.params if _is_dtensor(p.tensor)]
-    optimizer_params = [p for o in optimizers_of(options.optimizer) for g in o.param_groups for p in g["params"]]
-    asks_rewrite = options.optimizer is not None or options.data_parallel is not None
-    if not (dtensors and (captured.kind is GraphKind.STEP or asks_rewrite)) and not (
-            asks_rewrite and any(_is_dtensor(p) for p in optimizer_params)):
+    if context_parallel_active():      # any graph: one compiled beside it would run SDPA the same way
+        raise OptpassError(context_parallel_message())
+    dtensors = {p.name: p.tensor for p in captured.params if is_dtensor(p.tensor)}
+    if not dtensors:
         return
-    named = f" ({', '.join(dtensors[:3])}{', ...' if len(dtensors) > 3 else ''})" if dtensors else ""
-    raise OptpassError(
-        f"optpass: this step trains parameters that are DTensors{named}: tensor, sequence or context "
-        "parallelism (torch.distributed.tensor.parallel.parallelize_module), or torch's FSDP2. optpass's "
-        "rewrites work on plain tensors and cannot prove a step legal across the collectives DTensor adds, "
-        "so it refuses rather than train something other than your model. What works today: data "
-        "parallelism with optpass's own sharding, optpass.fully_shard(model) with "
-        "options={'optimizer': opt, 'data_parallel': 'fsdp'} (or 'zero1' on an unsharded model), on every "
-        "rank; a tensor-parallel model trains eagerly, without optpass.")
-
-
-def _is_dtensor(tensor) -> bool:
-    if tensor is None or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    partial = [name for name, t in dtensors.items() if has_partial(t)]
+    if partial:
+        raise OptpassError(
+            f"tensor parallelism: parameter(s) {', '.join(partial[:3])} are DTensors with a Partial placement "
+            f"({placements_text(dtensors[partial[0]])}): each rank's local tensor is a part of a sum, not a value "
+            "an optimizer can update. Distribute parameters as Shard(dim) or Replicate() (parallelize_module's "
+            "ColwiseParallel / RowwiseParallel / SequenceParallel do).")
+    if options.data_parallel is not None:
+        raise OptpassError(
+            f"data_parallel={options.data_parallel!r} over a tensor-parallel model whose parameters are DTensors "
+            f"({', '.join(list(dtensors)[:3])}): "
+            + ("optpass.fully_shard was not called on it. FSDP + tensor parallel is a 2-D mesh: mesh = "
+               "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, "
+               "mesh['tp'], plan); optpass.fully_shard(block, mesh=mesh['dp']) for each block, then "
+               "optpass.fully_shard(model, mesh=mesh['dp']); then build the optimizer."
+               if options.data_parallel == "fsdp" else
+               "zero1 shards flat buckets of plain parameters and is not built for tensor-parallel ones. Use "
+               "data_parallel='fsdp' on a 2-D mesh (optpass.fully_shard(block, mesh=mesh['dp']) over the plan on "
+               "mesh['tp']), or tensor parallelism alone."))
+    if captured.kind is not GraphKind.STEP or options.optimizer is None:
+        return
+    names = {id(t): name for name, t in dtensors.items()}
+    for member in optimizers_of(options.optimizer):
+        shards = [names[id(p)] for g in member.param_groups for p in g["params"]
+                  if id(p) in names and sharded(p)]
+        found = non_elementwise_ops(member, options.master_weights) if shards else []
+        if found:
+            name = shards[0]
+            raise OptpassError(
+                f"tensor parallelism: {type(member).__name__}'s update is not elementwise (it computes "
+                f"{', '.join(found[:4])} over a whole parameter), and parameter {name} is sharded "
+                f"({placements_text(dtensors[name])}): each rank would update its local shard as if it were "
+                f"the whole parameter. Train the sharded parameters with an elementwise optimizer (SGD, Adam, "
+                f"AdamW, ...), or keep {name} replicated in the tensor-parallel plan, or train without optpass's "
+                "fused update (no 'optimizer' in options).")
 
 
 def check_every_update_is_handled(captured: CapturedGraph, options) -> None:

@@ -259,7 +259,7 @@ class StepGraph:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         by_input_index, by_attr = {}, {}
         for node in placeholders:
-            desc = node.meta.get("desc")
+            desc = local_tensor_base(node.meta.get("desc"))
             if hasattr(desc, "idx"):
                 by_input_index[desc.idx] = node
             elif hasattr(desc, "target"):
@@ -388,4 +388,20 @@ def _output_slots(output: torch.fx.Node) -> dict[int, int]:
     descs = output.meta.get("desc")
     if not descs:
         return {}
-    return {d.idx: slot for slot, d in enumerate(descs) if type(d).__name__ == "PlainAOTOutput"}
+    return {d.idx: slot for slot, d in ((slot, local_tensor_base(d)) for slot, d in enumerate(descs))
+            if type(d).__name__ == "PlainAOTOutput"}
+
+
+# The inner tensor that holds a wrapper subclass's values: a DTensor's local tensor, and the weight of
+# torchao's float8 training for FSDP2's float8 all-gather (WeightWithDynamicFloat8CastTensor._tensor)
+VALUE_ATTRIBUTES = ("_local_tensor", "_tensor")
+
+
+def local_tensor_base(desc):
+    """A DTensor's local tensor stands for the DTensor (its input or output of the Dynamo graph):
+    AOTAutograd flattens a DTensor into ``_local_tensor`` and its ``device_mesh``, the local tensor
+    is what the aten graph computes with; so for a subclass whose values are one inner tensor
+    (``VALUE_ATTRIBUTES``). Any other descriptor is returned as it is."""
+    if type(desc).__name__ in ("SubclassGetAttrAOTInput", "SubclassGetAttrAOTOutput") and desc.attr in VALUE_ATTRIBUTES:
+        return desc.base
+    return desc

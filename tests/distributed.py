@@ -116,7 +116,8 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
         error = RankCrashed if any(processes[r].exitcode < 0 for r in failed) else RuntimeError
         raise error(f"ranks {failed} failed after sending their results "
                     f"(exit codes {[p.exitcode for p in processes]})" + _tails(log_paths, failed))
-    shutil.rmtree(logs, ignore_errors=True)
+    if not os.environ.get("OPTPASS_TEST_KEEP_LOGS"):
+        shutil.rmtree(logs, ignore_errors=True)
     return [results[r] for r in range(world)]
 
 

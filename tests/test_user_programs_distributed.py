@@ -17,7 +17,7 @@ PROGRAMS = ["frozen_and_buffers", "batchnorm", "batchnorm_accumulation", "optimi
             "grad_scaler_on_rank_zero_only",
             # then a zero1 step: after one rank refused alone, the ranks' next agreement is the same one
             "refusal_on_rank_one_only", "evaluation_without_no_grad",
-            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "tensor_parallel_model", "checkpointed_blocks_under_fsdp", "fsdp2_mixed_precision_policy",
+            "ddp_model_compiled_with_optpass", "torch_fsdp2_model", "checkpointed_blocks_under_fsdp", "fsdp2_mixed_precision_policy",
             "writes_into_parameters_outside_the_step", "unused_head", "explain_a_zero1_step",
             # last: rank 0 leaves it one agreement ahead of rank 1, which never joined
             "data_parallel_on_rank_zero_only"]
@@ -140,16 +140,6 @@ def test_a_torch_fsdp2_model_trains_as_one_process_beside_optpass_and_a_fused_up
         assert "optimizer_in_backward needs backward() inside the compiled step" in message
         assert "torch's FSDP2 (torch.distributed.fsdp.fully_shard)" in message, message
         assert "optpass.fully_shard" in message and "'data_parallel': 'fsdp'" in message
-
-
-def test_a_tensor_parallel_model_is_refused_on_every_rank_naming_tensor_parallelism(ranks):
-    for result in ranks:
-        runs = result["tensor_parallel_model"]
-        for name in ("plain", "fused"):
-            message = runs[name]["error"]
-            assert message and "DTensors" in message and "tensor, sequence or context parallelism" in message, runs
-            assert "optpass.fully_shard(model)" in message, message
-        assert not any("its own batches" in w for w in runs["warnings"]), runs["warnings"]
 
 
 def test_activation_checkpointing_per_block_under_fsdp_trains_as_one_process(ranks):

@@ -351,30 +351,6 @@ def torch_fsdp2_model(rank, world):
     return results
 
 
-def tensor_parallel_model(rank, world):
-    """Megatron-style tensor parallelism (parallelize_module, Colwise then Rowwise): refused on every
-    rank naming it, with and without options; no warning that the rank trains on its own batches."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    results = {}
-    mesh = init_device_mesh("cpu", (world,))
-    for name in ("plain", "fused"):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = parallelize_module(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)), mesh,
-                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        options = {"optimizer": opt, "optimizer_in_backward": True} if name == "fused" else {}
-        step = torch.compile(make_step(model, opt, F.mse_loss), backend="optpass", options=options)
-        try:
-            step(*batch(0, 0, world))
-            results[name] = {"error": None}
-        except optpass.OptpassError as error:
-            results[name] = {"error": str(error)}
-    return results
-
-
 def checkpointed_blocks_under_fsdp(rank, world):
     """torch.utils.checkpoint around each block of a model sharded per block (torchtitan's habit),
     float64, the update in backward, both lowerings: equal to one eager process (with the same

@@ -69,7 +69,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _gathered(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     pieces = torch.empty(spec.chunk * spec.world, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
     dist.all_gather_single(pieces, shard.contiguous(), group=spec.group)
-    return pieces[:spec.rows].reshape(spec.shape).clone()
+    local = pieces[:spec.rows].reshape(spec.shape).clone()
+    # FSDP + tensor parallel: what was gathered is the tensor-parallel local tensor; then its DTensor's
+    return local if spec.tensor_parallel is None else spec.tensor_parallel.as_dtensor(local).full_tensor()
 
 
 def load_full_state_dict(model: torch.nn.Module, source, strict: bool = True) -> None:
@@ -227,8 +229,20 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             raise OptpassError("save_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
         zero1_checkpoint.save_sharded_checkpoint(checkpoint_id, optimizer, model=model)
         return
+    _refuse_two_dimensional(model, "save_sharded_checkpoint")
     group = sharded_parameters(model)[0][2].group
     dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=checkpoint_id, process_group=group)
+
+
+def _refuse_two_dimensional(model, what: str) -> None:
+    """optpass's own fsdp checkpoint describes shards of one group; a 2-D model's goes through torch's DCP."""
+    if any(spec.tensor_parallel is not None for _, _, spec in sharded_parameters(model)):
+        raise OptpassError(
+            f"{what}: this model is sharded on a 2-D mesh (optpass.fully_shard over a tensor-parallel plan); "
+            "save and load it with torch's API, whose state dicts are DTensors on the 2-D mesh: "
+            "from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict; "
+            "model_sd, optim_sd = get_state_dict(model, opt); dcp.save({'model': model_sd, 'optim': optim_sd}, "
+            "checkpoint_id=path), and set_state_dict(...) after dcp.load.")
 
 
 def _one_optimizer(optimizer, model=None):
@@ -274,6 +288,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     if zero1_options:
         raise OptpassError(f"load_sharded_checkpoint: {sorted(zero1_options)} are zero1's options; a fully "
                            "sharded model takes none.")
+    _refuse_two_dimensional(model, "load_sharded_checkpoint")
     group = sharded_parameters(model)[0][2].group
     names = _names(model)
     by_name = {name: p for name, p, _ in sharded_parameters(model)}

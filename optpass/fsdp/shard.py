@@ -63,6 +63,9 @@ class ShardSpec:
             the shard's own.
         reduce_dtype: the dtype its gradient is reduced in (the policy's, else its param_dtype);
             None: no policy (fp32 for a bf16/fp16 gradient, else the gradient's dtype).
+        tensor_parallel: FSDP + tensor parallel (a 2-D mesh): the parameter was a DTensor of a
+            tensor-parallel plan, and what is sharded here (``shape``, ``rows``) is this rank's local
+            tensor of it; gathered, the local tensor becomes that DTensor again. None: a plain parameter.
     """
 
     name: str
@@ -78,6 +81,7 @@ class ShardSpec:
     unit: str | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    tensor_parallel: "TensorParallelLayout | None" = None
 
     @property
     def gather_args(self) -> tuple:
@@ -105,9 +109,40 @@ class ShardSpec:
         return min(self.rank * self.chunk, self.rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a tensor-parallel parameter's local tensor is a DTensor: its mesh (one dimension, the
+    tensor-parallel ranks), placements, global shape and stride."""
+
+    mesh: object
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """The parameter's DTensor around `local` (differentiable: its gradient is the local one's)."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.shape), stride=self.stride)
+
+    def local_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor of the whole parameter `whole` (DTensor's split: ``torch.chunk``)."""
+        for dim, placement in enumerate(self.placements):
+            if placement.is_shard():
+                whole = torch.chunk(whole, self.mesh.size(dim), dim=placement.dim)[self.mesh.get_local_rank(dim)]
+        return whole
+
+    @property
+    def norm_groups(self) -> tuple[str, ...]:
+        """The tensor-parallel groups a local squared norm is summed over (none for a replicated one)."""
+        return tuple(self.mesh.get_group(dim).group_name for dim, p in enumerate(self.placements) if p.is_shard())
+
+
 _SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()       # shard parameter -> ShardSpec
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()    # full parameter fully_shard replaced -> its name
 GATHER_ARGS = "_optpass_gather_args"      # on a sharded module: {name: ShardSpec.gather_args}
+TENSOR_PARALLEL = "_optpass_tensor_parallel"   # on a sharded module: {name: TensorParallelLayout}
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -164,7 +199,10 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         reshard_after_forward: True (FSDP2's default): backward gathers each parameter again, so
             no full parameter lives from forward to backward; False keeps the forward's gathered
             parameters for backward (more memory, one all-gather less per parameter).
-        mesh: FSDP2's spelling of the group: a 1-D ``DeviceMesh`` (its group is used). Give
+        mesh: FSDP2's spelling of the group: a 1-D ``DeviceMesh`` (its group is used), e.g.
+            ``mesh["dp"]`` of a 2-D mesh whose ``"tp"`` dimension holds a tensor-parallel plan
+            (``parallelize_module`` first): then each DTensor parameter's local tensor is sharded
+            over dp, and gathered it is the plan's DTensor again (FSDP + tensor parallel). Give
             ``process_group`` or ``mesh``, not both.
         mp_policy: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``: the shards and the
             optimizer's state stay in the parameters' dtype (fp32); each parameter is cast to
@@ -185,8 +223,9 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
             ``process_group`` and ``mesh``, or CPU offload was asked for; ``fully_shard`` was called on this
             module already, or on a module around it before it; a block was sharded over another
             group or with another ``reshard_after_forward``; a weight is tied between a block
-            sharded first and the rest of the model; parameters are DTensors already (torch's
-            FSDP2 ``fully_shard`` or a tensor-parallel plan); the ranks hold different models (names,
+            sharded first and the rest of the model; parameters are DTensors over the ranks sharded
+            over (torch's FSDP2 ``fully_shard``, or a plan that shares ranks with the group); the
+            ranks hold different models (names,
             shapes or dtypes differ; every rank raises it).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -194,7 +233,8 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
                            "torch.distributed.init_process_group(...) on every rank first.")
     group = _group_of(process_group, mesh)
     _refuse_offload(offload_policy)
-    _refuse_dtensors(module)
+    _check_tensor_parallel_parameters(module, group)
+    _refuse_float8_all_gather(module)
     param_dtype, reduce_dtype = mixed_precision.dtypes(mp_policy)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -218,14 +258,18 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
         if not local:
             continue
         gathering = dict(getattr(sub, GATHER_ARGS, {}))
+        layouts = dict(getattr(sub, TENSOR_PARALLEL, {}))
         for n in local:
             _REPLACED[sub._parameters[n]] = _SPECS[shards[id(sub._parameters[n])]].name
             shard = sub._parameters[n] = shards[id(sub._parameters[n])]
             spec = _SPECS[shard]
             gathering[n] = spec.gather_args
+            if spec.tensor_parallel is not None:
+                layouts[n] = spec.tensor_parallel
         # plain values on the module, which Dynamo reads as constants (a WeakIdKeyDictionary lookup
         # in the property would break the graph)
         object.__setattr__(sub, GATHER_ARGS, gathering)
+        object.__setattr__(sub, TENSOR_PARALLEL, layouts)
         sub.__class__ = _sharded_class(type(sub), tuple(sorted(local)))
         # its state dict in FSDP2's language: DTensors over the group's mesh (optpass.fsdp.state_dict)
         state_dict.install_module_hooks(sub, _sharded_names, shard_spec, _loaded)
@@ -348,19 +392,45 @@ def _group_of(process_group, mesh):
     return mesh.get_group()
 
 
-def _refuse_dtensors(module: torch.nn.Module) -> None:
-    """Parameters that are DTensors were sharded by torch (FSDP2's ``fully_shard``, a tensor-parallel
-    plan): optpass shards plain tensors, and mixing the two has no defined gather."""
+def _check_tensor_parallel_parameters(module: torch.nn.Module, group) -> None:
+    """DTensor parameters are sharded further only where they come from a tensor-parallel plan over
+    other ranks than ``group``'s (FSDP + TP on a 2-D mesh: ``mesh["tp"]`` for the plan, ``mesh["dp"]``
+    here); DTensors over the group's own ranks were sharded by torch (FSDP2's ``fully_shard``)."""
     from torch.distributed.tensor import DTensor
 
-    named = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if not dtensors:
+        return
+    mine = set(dist.get_process_group_ranks(group))
+    for name, p in dtensors:
+        mesh = p.device_mesh
+        ranks = set(mesh.mesh.flatten().tolist())
+        plain = all(placement.is_shard() or placement.is_replicate() for placement in p.placements)
+        if mesh.ndim == 1 and plain and ranks & mine == {dist.get_rank()}:
+            continue
+        named = [n for n, _ in dtensors]
+        raise OptpassError(
+            f"optpass.fully_shard: {', '.join(named[:3])}{' and more' if len(named) > 3 else ''} are DTensors "
+            f"({name} on a mesh of ranks {sorted(ranks)}, placements {tuple(p.placements)}) that are not a "
+            "tensor-parallel plan over other ranks than the ones fully_shard shards over: torch's "
+            "torch.distributed.fsdp.fully_shard sharded them already, or the plan and fully_shard share ranks. "
+            "optpass.fully_shard shards plain parameters, or a tensor-parallel plan's local tensors on a 2-D mesh: "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, "
+            "mesh['tp'], plan); optpass.fully_shard(block, mesh=mesh['dp']) per block, then the model. Do not "
+            "mix torch's fully_shard with optpass's.")
+
+
+def _refuse_float8_all_gather(module: torch.nn.Module) -> None:
+    """torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` makes each weight a tensor
+    subclass whose float8 cast runs in FSDP2's all-gather hooks, which optpass's gather does not call."""
+    named = [n for n, p in module.named_parameters() if type(p).__name__ == "WeightWithDynamicFloat8CastTensor"]
     if named:
         raise OptpassError(
-            f"optpass.fully_shard: {', '.join(named[:3])}{' and more' if len(named) > 3 else ''} are DTensors: "
-            "torch.distributed.fsdp.fully_shard or a tensor-parallel plan (parallelize_module) sharded them "
-            "already. optpass.fully_shard shards plain parameters: call optpass.fully_shard on each block and "
-            "then on the whole model (not torch's fully_shard on the blocks), or keep torch's FSDP2 for the "
-            "whole model. Tensor parallelism is not supported.")
+            f"optpass.fully_shard: {', '.join(named[:3])}{' and more' if len(named) > 3 else ''} are torchao float8 "
+            "weights for FSDP2's float8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)): "
+            "optpass's gather does not run FSDP2's all-gather hooks, so it would move fp32 and not what the config "
+            "asks. Convert with the default Float8LinearConfig (each gathered weight cast to float8 for its GEMM, "
+            "tested equal to one process under backend='inductor'), or train with torch's FSDP2.")
 
 
 def _refuse_offload(offload_policy) -> None:
@@ -374,7 +444,14 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
            unit: str | None = None, param_dtype: torch.dtype | None = None,
            reduce_dtype: torch.dtype | None = None) -> torch.nn.Parameter:
     """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
-    rank's rows of it as a new parameter: no copy of the whole parameter is made."""
+    rank's rows of it as a new parameter: no copy of the whole parameter is made. Of a tensor-parallel
+    DTensor, its local tensor is what is sharded (rank 0 of ``group`` holds the same part of it)."""
+    from torch.distributed.tensor import DTensor
+
+    layout, requires_grad = None, full.requires_grad
+    if isinstance(full, DTensor):
+        layout = TensorParallelLayout(full.device_mesh, tuple(full.placements), tuple(full.shape), tuple(full.stride()))
+        full = full._local_tensor
     value = full.detach()
     rows_of = value.reshape(1) if value.dim() == 0 else value
     rows = rows_of.shape[0]
@@ -386,12 +463,12 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
         mine = rows_of[min(rank * chunk, rows):min((rank + 1) * chunk, rows)]
         padding = rows_of.new_zeros(chunk - mine.shape[0], *rows_of.shape[1:])
         data, device_type = torch.cat([mine, padding]) if padding.shape[0] else mine.clone(), value.device.type
-    shard = torch.nn.Parameter(data, requires_grad=full.requires_grad)
+    shard = torch.nn.Parameter(data, requires_grad=requires_grad)
     floating = value.is_floating_point()
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
                               collective_group_name(group, device_type), reshard_after_forward, unit,
                               param_dtype if floating and param_dtype != value.dtype else None,
-                              reduce_dtype if floating else None)
+                              reduce_dtype if floating else None, layout)
     return shard
 
 
@@ -419,14 +496,20 @@ def _gathering(name: str):
                 f"optpass.load_full_state_dict(model, {{...}}).")
         if shard.device.type == "meta":
             raise OptpassError(materialize.meta_message(f"{type(self).__name__}.{name} is"))
+        layout = getattr(self, TENSOR_PARALLEL, {}).get(name)
         if torch.compiler.is_compiling():
-            return gather(shard, *args)
+            local = gather(shard, *args)
+            return local if layout is None else layout.as_dtensor(local)
         if materialize.initializing(shard):
+            if layout is not None:
+                raise OptpassError("optpass.fully_shard on a tensor-parallel model built on the meta device: not "
+                                   "supported; build it on the device, then parallelize_module and fully_shard.")
             return materialize.full_for_initialization(shard, _SPECS[shard])
         if args[4] is not None and not mixed_precision.in_forward():
             args = (*args[:4], None, *args[5:])     # read outside a forward: the shard's dtype, as FSDP2's
         write_through.write_back_released(shard)   # earlier reads' writes first: this gather reads them
         version = shard._version
-        return write_through.remember(gather(shard, *args), shard, _SPECS[shard], version)
+        local = write_through.remember(gather(shard, *args), shard, _SPECS[shard], version)
+        return local if layout is None else layout.as_dtensor(local)
     gathered.__name__ = name
     return gathered

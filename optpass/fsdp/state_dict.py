@@ -53,6 +53,8 @@ def device_mesh(group, device_type: str) -> DeviceMesh:
 def as_dtensor(piece: torch.Tensor, spec) -> DTensor:
     """``piece`` (a shard's rows, or an elementwise optimizer state of it: ``spec.shard_shape``) as
     the parameter's DTensor; its local tensor is a view of ``piece``'s valid rows."""
+    if spec.tensor_parallel is not None:
+        return _as_two_dimensional_dtensor(piece, spec)
     mesh = device_mesh(spec.group, piece.device.type)
     if not spec.shape:                  # 0-d: rank 0 holds it; every rank gets its value, replicated
         value = piece[:1].clone()
@@ -62,7 +64,51 @@ def as_dtensor(piece: torch.Tensor, spec) -> DTensor:
                               shape=torch.Size(spec.shape), stride=make_contiguous_strides_for(spec.shape))
 
 
+def two_dimensional_layout(spec) -> tuple[DeviceMesh, list]:
+    """FSDP + tensor parallel: the 2-D mesh (the tensor-parallel mesh's root) and the placements of a
+    parameter whose tensor-parallel local tensor is sharded over ``spec.group``: the tensor-parallel
+    placement on its mesh dimension, and on the other the data-parallel rows of the local tensor,
+    ``Shard(0)``, or FSDP2's ``_StridedShard(0, split_factor=tp)`` where tensor parallelism splits
+    dim 0 first (the rows of each tensor-parallel part split over dp)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layout = spec.tensor_parallel
+    root = layout.mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    tp_name = (layout.mesh.mesh_dim_names or (None,))[0]
+    if root.ndim != 2 or tp_name not in names:
+        raise OptpassError(f"state_dict of {spec.name}: its tensor-parallel mesh is not a named dimension of a "
+                           "2-D mesh; make both with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
+                           "'tp')) and use mesh['tp'] for the plan and mesh['dp'] for optpass.fully_shard.")
+    tp_dim = names.index(tp_name)
+    dp_dim = 1 - tp_dim
+    if set(dist.get_process_group_ranks(root.get_group(dp_dim))) != set(dist.get_process_group_ranks(spec.group)):
+        raise OptpassError(f"state_dict of {spec.name}: optpass.fully_shard sharded it over other ranks than the "
+                           f"2-D mesh's {names[dp_dim]!r} dimension; pass mesh={names[dp_dim]!r}'s submesh to it.")
+    if not spec.shape or spec.rows % spec.world:
+        raise OptpassError(f"state_dict of {spec.name}: its tensor-parallel local tensor has {spec.rows} rows, which "
+                           f"the {spec.world} data-parallel ranks do not divide: a 2-D DTensor cannot describe the "
+                           "padded shards. Choose sizes that divide, or save with optpass.full_state_dict(model).")
+    tp_placement = layout.placements[0]
+    placements = [None, None]
+    placements[tp_dim] = tp_placement
+    placements[dp_dim] = (_StridedShard(0, split_factor=root.size(tp_dim)) if tp_placement.is_shard(0)
+                          else Shard(0))
+    return root, placements
+
+
+def _as_two_dimensional_dtensor(piece: torch.Tensor, spec) -> DTensor:
+    root, placements = two_dimensional_layout(spec)
+    layout = spec.tensor_parallel
+    return DTensor.from_local(piece[:spec.valid], root, placements, run_check=False,
+                              shape=torch.Size(layout.shape), stride=layout.stride)
+
+
 def _split_as_the_shard(value: DTensor, spec) -> bool:
+    if spec.tensor_parallel is not None:
+        root, placements = two_dimensional_layout(spec)
+        return (value.device_mesh == root and tuple(value.placements) == tuple(placements)
+                and tuple(value.shape) == tuple(spec.tensor_parallel.shape))
     mesh = value.device_mesh
     return (tuple(value.placements) == (Shard(0),) and mesh.ndim == 1 and mesh.size() == spec.world
             and mesh.get_local_rank() == spec.rank and tuple(value.shape) == tuple(spec.shape))
@@ -79,6 +125,8 @@ def as_shard(value, spec, name: str, like: torch.Tensor) -> torch.Tensor:
         if _split_as_the_shard(value, spec):
             return _padded(value.to_local(), spec, like)
         value = value.full_tensor()
+    if spec.tensor_parallel is not None and tuple(value.shape) == tuple(spec.tensor_parallel.shape):
+        value = spec.tensor_parallel.local_of(value)        # the whole parameter: this tp rank's part
     if tuple(value.shape) == tuple(spec.shape) or (not spec.shape and value.numel() == 1):
         full = value.detach().reshape(1) if not spec.shape else value.detach()
         return _padded(full[spec.offset:spec.offset + spec.valid], spec, like)

@@ -56,6 +56,7 @@ from optpass.optim import low_bit_states
 from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
 from optpass.options import OptimizerList
+from optpass.step import VALUE_ATTRIBUTES, local_tensor_base
 
 
 
@@ -80,9 +81,17 @@ class CreatedState:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    # a tensor-parallel parameter's state: a DTensor laid out as the parameter (its local tensor is `shape`)
+    distributed_like: tuple | None = None     # (mesh, placements, global shape, global stride)
 
     def allocate(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        local = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if self.distributed_like is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.distributed_like
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @dataclasses.dataclass
@@ -109,7 +118,16 @@ class HarvestedUpdate:
 
 
 def _stand_in(like: torch.Tensor) -> torch.Tensor:
-    """A zero tensor of `like`'s shape, dtype and device that owns one element (stride 0)."""
+    """A zero tensor of `like`'s shape, dtype and device that owns one element (stride 0); of a DTensor,
+    a DTensor laid out as `like` (its gradient's placements are the parameter's: Dynamo's ``.grad`` is
+    ``empty_like(p).copy_(g)``)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(like, DTensor):
+        local_shape = [int(size) for size in like._local_tensor.shape]
+        local = torch.zeros((), dtype=like.dtype, device=like.device).expand(local_shape)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=torch.Size(int(size) for size in like.shape),
+                                  stride=tuple(int(s) for s in like.stride()))
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
 
 
@@ -419,9 +437,33 @@ def _representatives(optimizer, names: dict[str, torch.Tensor]) -> dict[str, str
     for name, p in names.items():
         state = tuple((key, (low_bit_states.layout_of(v), v.stride()) if isinstance(v, torch.Tensor)
                        else type(v).__name__) for key, v in sorted(optimizer.state.get(p, {}).items()))
-        signature = (group_of.get(id(p)), tuple(p.shape), p.stride(), p.dtype, p.device, state)
+        signature = (group_of.get(id(p)), tuple(p.shape), p.stride(), p.dtype, p.device, state, _placement_of(p))
         representative[name] = first.setdefault(signature, name)
     return None if len(first) == len(representative) else representative
+
+
+def _distributed_like(param: torch.Tensor, local_shape: tuple, name: str, key: str) -> tuple | None:
+    """How state the update creates for a DTensor parameter is laid out: as the parameter (SGD's
+    momentum buffer is made from its gradient), else refused."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return None
+    if tuple(param._local_tensor.shape) != local_shape:
+        raise OptpassError(f"optimizer_in_backward: the update creates state {key!r} of tensor-parallel parameter "
+                           f"{name} with local shape {list(local_shape)}, not the parameter's "
+                           f"{list(param._local_tensor.shape)}: optpass cannot tell how it is distributed.")
+    return param.device_mesh, tuple(param.placements), tuple(param.shape), tuple(param.stride())
+
+
+def _placement_of(p: torch.Tensor) -> tuple | None:
+    """A DTensor parameter's placements and local shape (two parameters of one global shape sharded
+    along other dimensions, a column- and a row-parallel Linear, have different local updates)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return None
+    return tuple(p.placements), tuple(p._local_tensor.shape), p._local_tensor.stride()
 
 
 def _harvest_representatives(optimizer, names: dict[str, torch.Tensor], representative: dict[str, str]) -> HarvestedUpdate:
@@ -508,6 +550,10 @@ def _input_role(desc, placeholder_roles, attr_roles) -> tuple:
         return placeholder_roles[desc.idx]
     if kind == "SubclassGetAttrAOTInput":
         role, value = _input_role(desc.base, placeholder_roles, attr_roles)
+        if desc.attr in VALUE_ATTRIBUTES:               # a DTensor's local tensor, a float8 weight's values
+            return role, value
+        if desc.attr == "device_mesh":
+            return "mesh", (role, value)
         if role == "state":
             return role, (value[0], f"{value[1]}.{desc.attr}")
         return "unknown", str(desc)
@@ -553,6 +599,8 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
             state_ph.setdefault(value[0], {})[value[1]] = node
         elif role == "lr":
             lr_ph[value] = node
+        elif role == "mesh" and all(user.op == "output" for user in node.users):
+            pass          # a DTensor's mesh, read by no op (an output's: a state the update creates)
         else:
             raise OptpassError(f"optimizer_in_backward: the update graph reads {value!r}, an input "
                                "optpass does not know how to provide inside backward.")
@@ -569,8 +617,8 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
             for value, desc in zip(node.args[0], node.meta.get("desc") or ()):
                 if type(desc).__name__ == "InputMutationAOTOutput":
                     writes[placeholder_of_desc[desc.mutated_input]] = value
-                elif type(desc).__name__ == "PlainAOTOutput" and desc.idx in output_roles:
-                    created_outputs[output_roles[desc.idx]] = value
+                elif type(local_tensor_base(desc)).__name__ == "PlainAOTOutput" and local_tensor_base(desc).idx in output_roles:
+                    created_outputs[output_roles[local_tensor_base(desc).idx]] = value   # a DTensor's: its local
     keep_parameters_at_zero_lr(graph, writes, set(param_ph.values()), set(lr_ph.values()))
     # State the update creates becomes a write into a new input, like any other state.
     created: dict[tuple[str, str], CreatedState] = {}
@@ -581,7 +629,8 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
         state_ph.setdefault(name, {})[key] = new_state
         writes[new_state] = value
         val = value.meta["val"]
-        created[(name, key)] = CreatedState(tuple(val.shape), val.dtype, val.device)
+        created[(name, key)] = CreatedState(tuple(val.shape), val.dtype, val.device,
+                                            _distributed_like(names[name], tuple(val.shape), name, key))
     order = {n: i for i, n in enumerate(graph.nodes)}
     updates = {}
     lr_group = {node: group for group, node in lr_ph.items()}

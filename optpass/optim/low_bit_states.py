@@ -199,6 +199,8 @@ def layout_of(value) -> tuple:
     """What the update graph depends on in a state value: a plain tensor's shape, dtype and device;
     a tensor subclass's type and its inner tensors' layouts (an 8-bit moment and fp32 zeros of one
     shape look alike from outside)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__, repr(value)          # a DTensor's device mesh
     if type(value) in (torch.Tensor, torch.nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
         return tuple(value.shape), value.dtype, value.device
     names, _ = value.__tensor_flatten__()

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from optpass.step import BACKWARD, GRADIENT_TRANSFORM, REGION_KEY, UPDATE, is_view
+from optpass.step import BACKWARD, GRADIENT_TRANSFORM, REGION_KEY, UPDATE, is_view, local_tensor_base
 
 aten = torch.ops.aten
 
@@ -34,9 +34,11 @@ def take_gradient_outputs(step, names: list[str]) -> dict[str, torch.fx.Node]:
     graph, output = step.graph, step.output_node
     outputs = list(output.args[0])
     gradient_values = {}
+    descs = output.meta.get("desc") or ()
     for name in names:
         gradient_values[name] = gradient_value(step.gradient_nodes[name])
-        outputs[step.gradient_slots[name]] = None
+        slot = step.gradient_slots[name]
+        outputs[slot] = _no_local_tensor(step, step.gradient_nodes[name]) if _is_local_tensor(descs, slot) else None
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for name, value in gradient_values.items():
         gradient = step.gradient_nodes[name]
@@ -48,10 +50,23 @@ def take_gradient_outputs(step, names: list[str]) -> dict[str, torch.fx.Node]:
     return gradient_values
 
 
+def _is_local_tensor(descs, slot: int) -> bool:
+    return slot < len(descs) and type(descs[slot]).__name__ == "SubclassGetAttrAOTOutput"
+
+
+def _no_local_tensor(step, gradient: torch.fx.Node) -> torch.fx.Node:
+    """What a fused DTensor gradient's output slot holds: AOTAutograd's runtime wraps the slot's local
+    tensor into a DTensor (it cannot take None there), and the step runtime drops it (``.grad`` stays
+    None); an empty tensor holds no memory."""
+    value = gradient.meta["val"]
+    with step.graph.inserting_before(step.output_node):
+        return step.emit(aten.empty.memory_format, [0] * value.dim(), dtype=value.dtype, device=value.device)
+
+
 def placeholders_by_dynamo_index(graph: torch.fx.Graph) -> dict[int, torch.fx.Node]:
     found = {}
     for node in graph.nodes:
-        desc = node.meta.get("desc")
+        desc = local_tensor_base(node.meta.get("desc"))       # a DTensor input: its local tensor
         if node.op == "placeholder" and type(desc).__name__ == "PlainAOTInput":
             found[desc.idx] = node
     return found

@@ -27,7 +27,8 @@ cast to fp32 first, so the norm and the clipping are those of the fp32 gradients
 
 Under data_parallel='fsdp' each gradient is this rank's shard (averaged over the ranks): the sum
 of squared norms is all-reduced (one scalar) before the coefficient, so every rank clips by the
-global norm.
+global norm. Under tensor parallelism each sharded gradient's squares are summed over the ranks
+holding its other shards, a replicated gradient's counted once.
 
 The pre-clip global norm, what ``clip_grad_norm_`` returns, is copied into a 0-d input that the
 runtime passes (``GRAD_NORM_OUTPUT``; ``optpass.grad_norm(opt)`` hands it to the user after the step).
@@ -50,6 +51,7 @@ import torch.fx
 
 from optpass.errors import OptpassError
 from optpass.fsdp.shard import shard_spec
+from optpass.tensor_parallel import norm_groups
 from optpass.passes._graph_utils import (MASTER_UPDATE, OPTIMIZER_UPDATE, clip_coefficient, first_backward,
                                          gradient_value, in_graph_order, reduce_after, replacing_gradient,
                                          squared_norm, sum_all, write_grad_norm)
@@ -79,20 +81,42 @@ def optimizer_order(step, optimizer) -> list[str]:
     return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in name_of]
 
 
-def summed_over_the_ranks_shards(step, names: list[str], local: torch.fx.Node) -> torch.fx.Node:
-    """Under data_parallel='fsdp' each gradient here is this rank's shard: the global squared norm is
-    the sum of every rank's (one all-reduce of a scalar; the padding is zero). Else ``local``."""
+def summed_over_the_ranks(step, names: list[str], squares: dict[str, torch.fx.Node]) -> torch.fx.Node:
+    """The global squared norm from each gradient's local one (`squares`, in graph order).
+
+    Under data_parallel='fsdp' each gradient here is this rank's shard: the sum is all-reduced over the
+    shards' group (one scalar; the padding is zero). A tensor-parallel gradient (a DTensor parameter's
+    local tensor) is summed over the groups of the mesh dimensions that shard it, a replicated one is
+    counted once (``tensor_parallel.norm_groups``): one all-reduce per such group. Else a plain sum."""
     tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
     specs = [shard_spec(tensors.get(name)) for name in names]
-    groups = {spec.group_name for spec in specs if spec is not None}
-    if not groups:
-        return local
-    if len(groups) > 1 or None in specs:
-        raise OptpassError("clip_grad_norm with data_parallel='fsdp': the clipped parameters are sharded over "
-                           "several process groups, or some are not sharded; shard every model the step trains "
-                           "with one optpass.fully_shard process group.")
-    total = step.emit(_c10d.all_reduce.default, local, "sum", groups.pop())
-    return step.emit(_c10d.wait_tensor.default, total)
+    if any(spec is not None for spec in specs):
+        groups = {spec.group_name for spec in specs if spec is not None}
+        if len(groups) > 1 or None in specs:
+            raise OptpassError("clip_grad_norm with data_parallel='fsdp': the clipped parameters are sharded over "
+                               "several process groups, or some are not sharded; shard every model the step trains "
+                               "with one optpass.fully_shard process group.")
+    by_groups: dict[tuple[str, ...], list[torch.fx.Node]] = {}
+    for name, square in squares.items():
+        by_groups.setdefault(_norm_groups(tensors.get(name)), []).append(square)
+    return sum_all(step.emit, [_all_reduced(step, sum_all(step.emit, part), groups)
+                               for groups, part in by_groups.items()])
+
+
+def _norm_groups(tensor) -> tuple[str, ...]:
+    """The groups a gradient's local squares are summed over: its fsdp shard's group and, on a 2-D mesh,
+    the tensor-parallel groups that shard it; a tensor-parallel DTensor's."""
+    spec = shard_spec(tensor)
+    if spec is None:
+        return norm_groups(tensor)
+    return (spec.group_name,) + (spec.tensor_parallel.norm_groups if spec.tensor_parallel is not None else ())
+
+
+def _all_reduced(step, local: torch.fx.Node, groups) -> torch.fx.Node:
+    """`local` summed over the ranks of each process group in `groups`, in turn."""
+    for group in sorted(groups):
+        local = step.emit(_c10d.wait_tensor.default, step.emit(_c10d.all_reduce.default, local, "sum", group))
+    return local
 
 
 def two_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
@@ -103,7 +127,7 @@ def two_norm(emit, value: torch.fx.Node) -> torch.fx.Node:
 
 def _sharded(step, names: list[str]) -> bool:
     tensors = {p.name: p.tensor for p in step.captured.params if p.tensor is not None}
-    return any(shard_spec(tensors.get(name)) is not None for name in names)
+    return any(shard_spec(tensors.get(name)) is not None or norm_groups(tensors.get(name)) for name in names)
 
 
 def fused_update_plan(step):
@@ -146,8 +170,9 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
             ordered += [value for value in in_graph_order(graph, values.values()) if value not in ordered]
             norm = two_norm(emit, emit(aten.stack.default, [reduced[value] for value in ordered]))
         else:
-            squares = [reduced[value] for value in in_graph_order(graph, values.values())]
-            total = summed_over_the_ranks_shards(step, names, sum_all(emit, squares))
+            name_of = {value: name for name, value in values.items()}
+            squares = {name_of[value]: reduced[value] for value in in_graph_order(graph, values.values())}
+            total = summed_over_the_ranks(step, names, squares)
             norm = emit(aten.sqrt.default, total)
         coef = clip_coefficient(emit, norm, max_norm)
     write_grad_norm(step, norm)              # what clip_grad_norm_ returns: optpass.grad_norm(opt)

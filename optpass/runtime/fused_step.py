@@ -73,6 +73,7 @@ from optpass.passes.optimizer_in_backward import CONTEXT_KEY
 from optpass.precision import grad_scaler
 from optpass.runtime import grad_norm
 from optpass.runtime.gradient_clearing import check_gradients_cleared
+from optpass.tensor_parallel import norm_groups
 
 # Per optimizer: its accumulation window (shared by the step's graphs: accumulation compiles two).
 _SESSIONS: WeakKeyDictionary = WeakKeyDictionary()
@@ -263,7 +264,14 @@ class FusedStep:
         Under data_parallel='fsdp' a rank checks its gradient shards only, and an inf in another
         rank's shard must skip this rank's update too: the flags are all-reduced in the shards' group."""
         spec = optimizer_shard_spec(self.options.optimizer) if self.options.data_parallel == "fsdp" else None
-        return spec.group_name if spec is not None else None
+        if spec is not None:
+            return spec.group_name
+        # tensor parallelism: an inf in another rank's shard of a parameter skips this rank's update too
+        groups = {group for p in self.fused.values() for group in norm_groups(p)}
+        if len(groups) > 1:
+            raise OptpassError("grad_scaler with parameters sharded over several mesh dimensions: the found-inf "
+                               "flags would need agreeing over each; use one tensor-parallel mesh dimension.")
+        return groups.pop() if groups else None
 
     def _state_layout(self) -> tuple:
         """Which state exists, of which shape and dtype: the harvested update depends on it (and on
