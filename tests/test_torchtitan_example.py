@@ -1,7 +1,7 @@
 """examples/torchtitan_train.py, the loop a torchtitan + FSDP2 user brings, run as they would run it:
 torchrun on 2 ranks for 6 steps (meta build, per-layer activation checkpointing, per-layer
 fully_shard with FSDP2's bf16 MixedPrecisionPolicy, AdamW with warmup + cosine, clip 1.0, the update
-in backward, DCP checkpoints every 3 steps), then its step-3 checkpoint resumed on 3 ranks."""
+in backward, DCP checkpoints every 3 steps), then its step-3 checkpoint resumed on 3 ranks; and with --tp 2 --float8 on a 2-D mesh of 4 ranks, resumed on 2."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "torchtitan_
 ARGS = ["--steps", "6", "--checkpoint-every", "3", "--warmup", "2", "--lr", "1e-2"]
 
 
-def _torchrun(ranks: int, out: str) -> list[dict]:
+def _torchrun(ranks: int, out: str, args=ARGS) -> list[dict]:
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={ranks}", EXAMPLE, "--out", out, *ARGS],
+                             f"--nproc-per-node={ranks}", EXAMPLE, "--out", out, *args],
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     runs = []
@@ -73,4 +73,33 @@ def test_resumed_on_three_ranks_continues_the_run(runs):
     assert sorted(got) == [4, 5, 6]
     assert three[0]["lrs"] == {k: v for k, v in two[0]["lrs"].items() if int(k) > 3}
     for step, loss in got.items():
+        assert abs(loss - expected[step]) <= 5e-3 * expected[step], (step, got, expected)
+
+
+# ---------------------------------------------------------------- --tp 2 --float8: FSDP + TP on a 2-D mesh
+
+TWO_D_ARGS = ["--tp", "2", "--float8", "--steps", "4", "--checkpoint-every", "2", "--warmup", "1", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def two_dimensional_runs(tmp_path_factory):
+    """4 ranks (dp 2 x tp 2, Float8 Linears, bf16 gathers, activation checkpointing, clip 1.0, the update
+    in backward), then its step-2 checkpoint resumed on 2 ranks (dp 1 x tp 2)."""
+    uninterrupted = str(tmp_path_factory.mktemp("titan_dp2_tp2"))
+    four = _torchrun(4, uninterrupted, TWO_D_ARGS)
+    resumed = str(tmp_path_factory.mktemp("titan_dp1_tp2"))
+    shutil.copytree(os.path.join(uninterrupted, "step-2"), os.path.join(resumed, "step-2"))
+    two = _torchrun(2, resumed, TWO_D_ARGS)
+    return four, two
+
+
+def test_the_2d_float8_loop_trains_and_resumes_on_fewer_data_parallel_ranks(two_dimensional_runs):
+    four, two = two_dimensional_runs
+    assert [(r["world"], r["tp"]) for r in four] == [(4, 2)] * 4 and [(r["world"], r["tp"]) for r in two] == [(2, 2)] * 2
+    expected = {int(k): v for k, v in four[0]["losses"].items()}
+    assert expected[4] < expected[1] - 0.2, expected                  # it learns
+    assert all(r["losses"] == four[0]["losses"] for r in four)        # the mean over ranks, on every rank
+    got = {int(k): v for k, v in two[0]["losses"].items()}
+    assert sorted(got) == [3, 4]
+    for step, loss in got.items():                                   # dp 2 -> 1: bf16 sums in another order
         assert abs(loss - expected[step]) <= 5e-3 * expected[step], (step, got, expected)
