@@ -91,7 +91,10 @@ def build(args):
     if args.model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 8 / 3),
+        intermediate = int(args.width * 8 / 3)
+        if args.tp > 1:                # the column-parallel projections split it: a multiple of 64 x tp
+            intermediate = 64 * args.tp * round(intermediate / (64 * args.tp))
+        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=intermediate,
                              num_hidden_layers=args.depth, num_attention_heads=max(1, args.width // 64),
                              num_key_value_heads=max(1, args.width // 64), max_position_embeddings=args.seq)
         model = LlamaForCausalLM(config)
@@ -162,7 +165,9 @@ def step_collectives(report) -> list[tuple]:
     for node in report.graph_after.nodes:
         if node.target in ops:
             inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            found.append((node.target, [tuple(i.meta["val"].shape) for i in inputs], inputs[0].meta["val"].dtype))
+            size, group = node.args[-2:]                 # every rank of its group (dp, tp or the world's)
+            found.append((node.target, [tuple(i.meta["val"].shape) for i in inputs], inputs[0].meta["val"].dtype,
+                          size, group))
     return found
 
 
@@ -173,13 +178,13 @@ def collectives_alone(collectives: list[tuple], repeats: int = 5) -> float:
     import torch.distributed as dist
 
     c10d = torch.ops._c10d_functional
-    name, world = dist.group.WORLD.group_name, dist.get_world_size()
-    inputs = [(op, [torch.randn(shape).to(dtype) for shape in shapes]) for op, shapes, dtype in collectives]
+    inputs = [(op, [torch.randn(shape).to(dtype) for shape in shapes], size, name)
+              for op, shapes, dtype, size, name in collectives]
     times = []
     for _ in range(repeats):
         dist.barrier()
         began = time.perf_counter()
-        for op, tensors in inputs:
+        for op, tensors, world, name in inputs:
             if op is c10d.all_gather_into_tensor_coalesced.default:
                 for out in op(tensors, world, name):
                     c10d.wait_tensor(out)
