@@ -313,24 +313,14 @@ def two_dimensional(rank, world, options: dict | None = None, steps: int = STEPS
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
 
-    def step_of(m, o):
-        def step(ids):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            out = loss.detach()
-            o.step()
-            o.zero_grad()
-            return out
-        return step
-
-    compiled = torch.compile(step_of(model, opt), backend="optpass",
+    compiled = torch.compile(_step_of(model, opt), backend="optpass",
                              options=dict(options, optimizer=opt, data_parallel="fsdp"))
     # one process: the same math, the update in backward (where it runs does not change a number)
     ref_options = dict(options, optimizer_in_backward=True)
     for i in range(steps):
         compiled(dp_tokens(i, dp_rank, dp))
     torch._dynamo.reset()
-    reference_step = torch.compile(step_of(reference, ref_opt), backend="optpass",
+    reference_step = torch.compile(_step_of(reference, ref_opt), backend="optpass",
                                    options=dict(ref_options, optimizer=ref_opt))
     for i in range(steps):
         reference_step(torch.cat([dp_tokens(i, r, dp) for r in range(dp)]))
