@@ -21,6 +21,7 @@ optimizer's update of a shard is the shard of the update. What is not local is s
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -51,15 +52,50 @@ def has_partial(value) -> bool:
     return is_dtensor(value) and any(p.is_partial() for p in value.placements)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a DTensor's local tensor is the DTensor: its mesh, placements, global shape and stride."""
+
+    mesh: object
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(value) -> "TensorParallelLayout | None":
+        """`value`'s layout (sizes as numbers: a fake DTensor of Dynamo's may hold SymInts); None for a
+        plain tensor."""
+        if not is_dtensor(value):
+            return None
+        return TensorParallelLayout(value.device_mesh, tuple(value.placements),
+                                    tuple(int(size) for size in value.shape), tuple(int(s) for s in value.stride()))
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """The DTensor around `local` (differentiable: its gradient is the local one's)."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.shape), stride=self.stride)
+
+    def local_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor of the whole tensor `whole` (DTensor's split: ``torch.chunk``)."""
+        for dim, placement in enumerate(self.placements):
+            if placement.is_shard():
+                whole = torch.chunk(whole, self.mesh.size(dim), dim=placement.dim)[self.mesh.get_local_rank(dim)]
+        return whole
+
+    @property
+    def norm_groups(self) -> tuple[str, ...]:
+        """The groups a local squared norm is summed over: one per mesh dimension that shards it."""
+        return tuple(self.mesh.get_group(dim).group_name for dim, p in enumerate(self.placements) if p.is_shard())
+
+
 def norm_groups(value) -> tuple[str, ...]:
     """The process groups over which `value`'s local squared norm is summed into the global one:
     one per mesh dimension that shards it ((): a plain tensor or a replicated DTensor, whose local
     tensor is the whole of it on every rank)."""
-    if not is_dtensor(value):
-        return ()
-    mesh = value.device_mesh
-    return tuple(mesh.get_group(dim).group_name for dim, placement in enumerate(value.placements)
-                 if placement.is_shard())
+    layout = TensorParallelLayout.of(value)
+    return layout.norm_groups if layout is not None else ()
 
 
 def context_parallel_active() -> bool:

@@ -35,6 +35,7 @@ from optpass.errors import OptpassError
 from optpass.fsdp import materialize, mixed_precision, state_dict, write_through
 from optpass.fsdp.gather import gather, rows_per_rank
 from optpass.process_groups import collective_group_name
+from optpass.tensor_parallel import TensorParallelLayout
 from optpass.zero1.agreement import agree
 
 
@@ -81,7 +82,7 @@ class ShardSpec:
     unit: str | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    tensor_parallel: "TensorParallelLayout | None" = None
+    tensor_parallel: TensorParallelLayout | None = None
 
     @property
     def gather_args(self) -> tuple:
@@ -107,36 +108,6 @@ class ShardSpec:
     def offset(self) -> int:
         """The first of this rank's rows in the parameter."""
         return min(self.rank * self.chunk, self.rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorParallelLayout:
-    """How a tensor-parallel parameter's local tensor is a DTensor: its mesh (one dimension, the
-    tensor-parallel ranks), placements, global shape and stride."""
-
-    mesh: object
-    placements: tuple
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
-        """The parameter's DTensor around `local` (differentiable: its gradient is the local one's)."""
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=torch.Size(self.shape), stride=self.stride)
-
-    def local_of(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's local tensor of the whole parameter `whole` (DTensor's split: ``torch.chunk``)."""
-        for dim, placement in enumerate(self.placements):
-            if placement.is_shard():
-                whole = torch.chunk(whole, self.mesh.size(dim), dim=placement.dim)[self.mesh.get_local_rank(dim)]
-        return whole
-
-    @property
-    def norm_groups(self) -> tuple[str, ...]:
-        """The tensor-parallel groups a local squared norm is summed over (none for a replicated one)."""
-        return tuple(self.mesh.get_group(dim).group_name for dim, p in enumerate(self.placements) if p.is_shard())
 
 
 _SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()       # shard parameter -> ShardSpec
@@ -446,11 +417,8 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     """Rank 0's value of ``full`` (received into ``full`` itself, which the shard replaces), this
     rank's rows of it as a new parameter: no copy of the whole parameter is made. Of a tensor-parallel
     DTensor, its local tensor is what is sharded (rank 0 of ``group`` holds the same part of it)."""
-    from torch.distributed.tensor import DTensor
-
-    layout, requires_grad = None, full.requires_grad
-    if isinstance(full, DTensor):
-        layout = TensorParallelLayout(full.device_mesh, tuple(full.placements), tuple(full.shape), tuple(full.stride()))
+    layout, requires_grad = TensorParallelLayout.of(full), full.requires_grad
+    if layout is not None:
         full = full._local_tensor
     value = full.detach()
     rows_of = value.reshape(1) if value.dim() == 0 else value

@@ -57,6 +57,7 @@ from optpass.optim.float_lr import keep_float_lr_rounding
 from optpass.optim.scalars import group_entry_role, tensorize_scalars
 from optpass.options import OptimizerList
 from optpass.step import VALUE_ATTRIBUTES, local_tensor_base
+from optpass.tensor_parallel import TensorParallelLayout
 
 
 
@@ -82,16 +83,11 @@ class CreatedState:
     dtype: torch.dtype
     device: torch.device
     # a tensor-parallel parameter's state: a DTensor laid out as the parameter (its local tensor is `shape`)
-    distributed_like: tuple | None = None     # (mesh, placements, global shape, global stride)
+    distributed_like: TensorParallelLayout | None = None
 
     def allocate(self) -> torch.Tensor:
         local = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if self.distributed_like is None:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride = self.distributed_like
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return local if self.distributed_like is None else self.distributed_like.as_dtensor(local)
 
 
 @dataclasses.dataclass
@@ -121,13 +117,10 @@ def _stand_in(like: torch.Tensor) -> torch.Tensor:
     """A zero tensor of `like`'s shape, dtype and device that owns one element (stride 0); of a DTensor,
     a DTensor laid out as `like` (its gradient's placements are the parameter's: Dynamo's ``.grad`` is
     ``empty_like(p).copy_(g)``)."""
-    from torch.distributed.tensor import DTensor
-    if isinstance(like, DTensor):
-        local_shape = [int(size) for size in like._local_tensor.shape]
-        local = torch.zeros((), dtype=like.dtype, device=like.device).expand(local_shape)
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                  shape=torch.Size(int(size) for size in like.shape),
-                                  stride=tuple(int(s) for s in like.stride()))
+    layout = TensorParallelLayout.of(like)
+    if layout is not None:
+        local = torch.zeros((), dtype=like.dtype, device=like.device)
+        return layout.as_dtensor(local.expand([int(size) for size in like._local_tensor.shape]))
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
 
 
@@ -442,18 +435,17 @@ def _representatives(optimizer, names: dict[str, torch.Tensor]) -> dict[str, str
     return None if len(first) == len(representative) else representative
 
 
-def _distributed_like(param: torch.Tensor, local_shape: tuple, name: str, key: str) -> tuple | None:
+def _distributed_like(param: torch.Tensor, local_shape: tuple, name: str, key: str) -> TensorParallelLayout | None:
     """How state the update creates for a DTensor parameter is laid out: as the parameter (SGD's
     momentum buffer is made from its gradient), else refused."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
+    layout = TensorParallelLayout.of(param)
+    if layout is None:
         return None
     if tuple(param._local_tensor.shape) != local_shape:
         raise OptpassError(f"optimizer_in_backward: the update creates state {key!r} of tensor-parallel parameter "
                            f"{name} with local shape {list(local_shape)}, not the parameter's "
                            f"{list(param._local_tensor.shape)}: optpass cannot tell how it is distributed.")
-    return param.device_mesh, tuple(param.placements), tuple(param.shape), tuple(param.stride())
+    return layout
 
 
 def _placement_of(p: torch.Tensor) -> tuple | None:
@@ -617,8 +609,8 @@ def _slice_per_parameter(graph, placeholder_roles, attr_roles, output_roles, gro
             for value, desc in zip(node.args[0], node.meta.get("desc") or ()):
                 if type(desc).__name__ == "InputMutationAOTOutput":
                     writes[placeholder_of_desc[desc.mutated_input]] = value
-                elif type(local_tensor_base(desc)).__name__ == "PlainAOTOutput" and local_tensor_base(desc).idx in output_roles:
-                    created_outputs[output_roles[local_tensor_base(desc).idx]] = value   # a DTensor's: its local
+                elif type(base := local_tensor_base(desc)).__name__ == "PlainAOTOutput" and base.idx in output_roles:
+                    created_outputs[output_roles[base.idx]] = value      # of a DTensor: its local tensor
     keep_parameters_at_zero_lr(graph, writes, set(param_ph.values()), set(lr_ph.values()))
     # State the update creates becomes a write into a new input, like any other state.
     created: dict[tuple[str, str], CreatedState] = {}
