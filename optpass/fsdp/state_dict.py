@@ -50,7 +50,7 @@ def device_mesh(group, device_type: str) -> DeviceMesh:
     return _MESHES[key]
 
 
-def as_dtensor(piece: torch.Tensor, spec) -> DTensor:
+def shard_as_dtensor(piece: torch.Tensor, spec) -> DTensor:
     """``piece`` (a shard's rows, or an elementwise optimizer state of it: ``spec.shard_shape``) as
     the parameter's DTensor; its local tensor is a view of ``piece``'s valid rows."""
     if spec.tensor_parallel is not None:
@@ -160,7 +160,7 @@ def install_module_hooks(module: torch.nn.Module, sharded_names, spec_of, on_loa
         for n in names():
             value = state_dict.get(prefix + n)
             if isinstance(value, torch.Tensor) and not isinstance(value, (torch.nn.Parameter, DTensor)):
-                state_dict[prefix + n] = as_dtensor(value, spec_of(mod._parameters[n]))
+                state_dict[prefix + n] = shard_as_dtensor(value, spec_of(mod._parameters[n]))
 
     def to_shards(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         loaded = []
@@ -216,7 +216,7 @@ def adopt_optimizer(optimizer, spec_of, on_loaded=None) -> None:
                 # a torchao quantized moment as its values: DCP writes and reshards plain tensors (it
                 # pickled the subclass whole, which no other number of ranks could read); the load
                 # quantizes them again (as_loaded_moment)
-                entries[key] = as_dtensor(value.dequantize() if low_bit_states.is_quantized(value) else value, spec)
+                entries[key] = shard_as_dtensor(value.dequantize() if low_bit_states.is_quantized(value) else value, spec)
         return state_dict
 
     def to_shards(opt, state_dict):
