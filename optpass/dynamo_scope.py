@@ -5,6 +5,16 @@ optpass needs two Dynamo settings that torch only offers process-wide (docs/desi
 * ``trace_autograd_ops``: ``loss.backward()`` traced into the step's graph;
 * ``ignore_logging_functions``: a model's ``logger.warning_once`` skipped instead of breaking the graph.
 
+and one allowance torch offers only as a process-wide flag for every side effect
+(``skip_fwd_side_effects_in_bwd_under_checkpoint``): Hugging Face's hub-kernel routing (the
+``kernels`` package, a dependency of transformers >= 5.25) writes a module-level variable around
+every attention layer's forward and restores it on the way out; inside a checkpointed block
+(``checkpoint_wrapper``, torchtitan's activation checkpointing) Dynamo refuses that write ("HOP:
+Unsafe side effect") and the forward breaks off the step. ``allow_hub_kernel_routing`` lets that one
+write through, for optpass compiles: it is set and restored within the same forward, so nothing of
+it outlives the block, and eager recomputation in backward would set and restore it again
+(docs/design.md §65). Every other write inside a checkpointed block is still refused.
+
 Set plainly, they change every other compile in the process: a model sharded by torch's FSDP2 or
 wrapped in DDP and compiled with ``backend="eager"`` would have its backward traced, so the
 gradient hooks those wrappers rely on never run (docs/design.md §36). ``torch.compile`` gives a
@@ -229,11 +239,38 @@ def keep_compile_end_callback(callback) -> None:
         handler.clear = clear_keeping_optpass_callbacks
 
 
+def _is_hub_kernel_routing(item) -> bool:
+    """Is ``item`` (a Dynamo variable) the ``kernels`` package's routing variable
+    (``kernels._internals.layer.layer._ACTIVE_KERNEL_FUNCS``, a ``CompileableContextVar``)?"""
+    value = vars(item).get("value")      # not getattr: on some variables `value` is a property that fails
+    kind = type(value)
+    return kind.__name__ == "CompileableContextVar" and kind.__module__.split(".")[0] == "kernels"
+
+
+def allow_hub_kernel_routing() -> None:
+    """Let Dynamo trace, for optpass compiles, the hub-kernel routing's set-and-restore of its
+    module-level variable inside a checkpointed block (see the module docstring). Idempotent."""
+    from torch._dynamo.side_effects import SideEffects
+
+    check = SideEffects.check_allowed_side_effect
+    if getattr(check, "_optpass_allows_hub_kernel_routing", False):
+        return
+
+    def check_allowed_side_effect(self, item) -> bool:
+        if _is_hub_kernel_routing(item) and optpass_compile_in_progress():
+            return True
+        return check(self, item)
+
+    check_allowed_side_effect._optpass_allows_hub_kernel_routing = True
+    SideEffects.check_allowed_side_effect = check_allowed_side_effect
+
+
 def install() -> None:
     """Put the scoped settings in place (idempotent; again after someone replaced them).
 
     A ``trace_autograd_ops`` the user set to True themselves is left as they set it.
     """
+    allow_hub_kernel_routing()
     config = torch._dynamo.config
     if config.trace_autograd_ops is False:
         config.trace_autograd_ops = ONLY_FOR_OPTPASS_COMPILES

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -77,3 +78,49 @@ def test_checkpointing_lowers_the_steps_peak():
         peaks[checkpointed] = measured.peak_bytes
     hidden = 6 * 256 * 1024 * 4              # each block's tanh output, kept for its backward
     assert peaks[False] - peaks[True] >= hidden / 4, peaks
+
+
+def test_a_hugging_face_llama_with_checkpointed_layers_traces_whole_with_hub_kernel_routing():
+    """transformers >= 5.25 routes its hub kernels (the ``kernels`` package) by writing a module-level
+    variable around every attention layer's forward and restoring it; inside checkpoint_wrapper Dynamo
+    refused that write ("HOP: Unsafe side effect") and the forward broke off the step. optpass lets
+    that write through (optpass/dynamo_scope.py): the step is one graph, with the update in backward,
+    equal in float64 to the same model without checkpointing under optpass (and to eager within the
+    rounding of Hugging Face's rotary embedding, which it computes in fp32)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa", use_cache=False)
+    plain = LlamaForCausalLM(config).double()
+    checkpointed, eager = copy.deepcopy(plain), copy.deepcopy(plain)
+    for i, layer in enumerate(checkpointed.model.layers):
+        checkpointed.model.layers[i] = checkpoint_wrapper(layer)
+
+    def run(model, compiled: bool) -> list[float]:
+        torch._dynamo.reset()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, dtype=torch.float64))
+
+        def step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out = loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return out
+        if compiled:
+            step = torch.compile(step, backend="optpass",
+                                 options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
+        return [float(step(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))))
+                for i in range(3)]
+
+    losses = run(checkpointed, compiled=True)
+    assert all(p.grad is None for p in checkpointed.parameters())       # the update ran in backward
+    assert losses == pytest.approx(run(plain, compiled=True), rel=1e-12)
+    assert losses == pytest.approx(run(eager, compiled=False), rel=1e-6)
+    names = dict(plain.named_parameters())
+    worst = max((p - names[n.replace("._checkpoint_wrapped_module", "")]).abs().max().item()
+                for n, p in checkpointed.named_parameters())
+    assert worst <= 1e-12, worst
