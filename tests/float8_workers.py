@@ -44,7 +44,7 @@ def run_all(rank: int, world: int, names: list[str]) -> dict:
     return results
 
 
-def _fsdp_against_one_process(rank, world, config=None, options=None) -> dict:
+def _fsdp_against_one_process(rank, world, config=None, options=None, precompute: bool = False) -> dict:
     options = options if options is not None else {"optimizer_in_backward": True}
     model = float8_mlp(config)
     reference = float8_mlp(config)
@@ -75,6 +75,10 @@ def _fsdp_against_one_process(rank, world, config=None, options=None) -> dict:
     for i in range(STEPS):
         x, y = batch(i, world)
         compiled(x.chunk(world)[rank], y.chunk(world)[rank])
+        if precompute:          # FSDP2's recipe after each step: harmless here (optpass casts where it gathers)
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         reference_compiled(list(x.chunk(world)), list(y.chunk(world)))
     full = optpass.full_state_dict(model) if data_parallel == "fsdp" else dict(model.named_parameters())
     return {"relative": max(((full[n] - p.detach()).abs().max() / p.detach().abs().max()).item()
@@ -93,7 +97,32 @@ def zero1_in_backward(rank, world):
 def fsdp_float8_all_gather(rank, world):
     from torchao.float8 import Float8LinearConfig
 
-    try:
-        return _fsdp_against_one_process(rank, world, Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    except optpass.OptpassError as error:
-        return {"refused": str(error)}
+    return _fsdp_against_one_process(rank, world, Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                     precompute=True)
+
+
+def fsdp_float8_all_gather_graph(rank, world):
+    """What the step with the float8 all-gather config moves: the dtypes its all-gathers send,
+    forward and backward, and the reshard pass's notes."""
+    from torchao.float8 import Float8LinearConfig
+
+    model = float8_mlp(Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    optpass.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    x, y = batch(0, world)
+    report = optpass.explain(step, x.chunk(world)[rank], y.chunk(world)[rank],
+                             options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})
+    graph = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"][-1].graph_after
+    sent = [str(n.args[0].meta["val"].dtype) for n in graph.nodes
+            if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    reduced = [n.args[1] for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    return {"sent": sent, "all_reduce_ops": reduced, "explain": str(report)}

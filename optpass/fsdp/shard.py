@@ -67,6 +67,9 @@ class ShardSpec:
         tensor_parallel: FSDP + tensor parallel (a 2-D mesh): the parameter was a DTensor of a
             tensor-parallel plan, and what is sharded here (``shape``, ``rows``) is this rank's local
             tensor of it; gathered, the local tensor becomes that DTensor again. None: a plain parameter.
+        float8: a torchao ``Float8Linear`` weight converted with ``enable_fsdp_float8_all_gather=True``:
+            (its float8 dtype, its ``LinearMMConfig``); the shard is its values (fp32) and a compiled
+            step gathers it in float8 (``optpass.fsdp.gather``). None: gathered in its own dtype.
     """
 
     name: str
@@ -83,11 +86,12 @@ class ShardSpec:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     tensor_parallel: TensorParallelLayout | None = None
+    float8: tuple | None = None
 
     @property
     def gather_args(self) -> tuple:
         """What the module's property passes to ``gather`` after the shard."""
-        return (self.rows, self.shape, self.world, self.group_name, self.param_dtype, self.reduce_dtype)
+        return (self.rows, self.shape, self.world, self.group_name, self.param_dtype, self.reduce_dtype, self.float8)
 
     @property
     def valid(self) -> int:
@@ -205,7 +209,6 @@ def fully_shard(module: torch.nn.Module, process_group=None, reshard_after_forwa
     group = _group_of(process_group, mesh)
     _refuse_offload(offload_policy)
     _check_tensor_parallel_parameters(module, group)
-    _refuse_float8_all_gather(module)
     param_dtype, reduce_dtype = mixed_precision.dtypes(mp_policy)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -391,19 +394,6 @@ def _check_tensor_parallel_parameters(module: torch.nn.Module, group) -> None:
             "mix torch's fully_shard with optpass's.")
 
 
-def _refuse_float8_all_gather(module: torch.nn.Module) -> None:
-    """torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` makes each weight a tensor
-    subclass whose float8 cast runs in FSDP2's all-gather hooks, which optpass's gather does not call."""
-    named = [n for n, p in module.named_parameters() if type(p).__name__ == "WeightWithDynamicFloat8CastTensor"]
-    if named:
-        raise OptpassError(
-            f"optpass.fully_shard: {', '.join(named[:3])}{' and more' if len(named) > 3 else ''} are torchao float8 "
-            "weights for FSDP2's float8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)): "
-            "optpass's gather does not run FSDP2's all-gather hooks, so it would move fp32 and not what the config "
-            "asks. Convert with the default Float8LinearConfig (each gathered weight cast to float8 for its GEMM, "
-            "tested equal to one process under backend='inductor'), or train with torch's FSDP2.")
-
-
 def _refuse_offload(offload_policy) -> None:
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise OptpassError(f"optpass.fully_shard: offload_policy={type(offload_policy).__name__}(...) is not "
@@ -420,6 +410,9 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     layout, requires_grad = TensorParallelLayout.of(full), full.requires_grad
     if layout is not None:
         full = full._local_tensor
+    float8 = _float8_all_gather(full, name, layout)
+    if float8 is not None:
+        full = full._tensor           # torchao's WeightWithDynamicFloat8CastTensor: its values
     value = full.detach()
     rows_of = value.reshape(1) if value.dim() == 0 else value
     rows = rows_of.shape[0]
@@ -436,8 +429,22 @@ def _shard(full: torch.nn.Parameter, name, group, world, rank, reshard_after_for
     _SPECS[shard] = ShardSpec(name, tuple(value.shape), value.numel(), rows, chunk, world, rank, group,
                               collective_group_name(group, device_type), reshard_after_forward, unit,
                               param_dtype if floating and param_dtype != value.dtype else None,
-                              reduce_dtype if floating else None, layout)
+                              reduce_dtype if floating else None, layout, float8)
     return shard
+
+
+def _float8_all_gather(full: torch.Tensor, name: str, layout) -> tuple | None:
+    """(float8 dtype, LinearMMConfig) of a weight torchao converted for FSDP2's float8 all-gather
+    (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``), else None."""
+    if type(full).__name__ != "WeightWithDynamicFloat8CastTensor":
+        return None
+    if layout is not None or getattr(full, "_precomputed_scale", None) is not None:
+        raise OptpassError(
+            f"optpass.fully_shard: {name} is a torchao float8 weight for FSDP2's float8 all-gather "
+            "(Float8LinearConfig(enable_fsdp_float8_all_gather=True)) inside a tensor-parallel DTensor or with a "
+            "precomputed scale: optpass gathers it in float8 on a 1-D mesh only. Convert with the default "
+            "Float8LinearConfig for FSDP + tensor parallel (each gathered weight is cast to float8 for its GEMM).")
+    return (full._dtype, full._linear_mm_config)
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -475,6 +482,7 @@ def _gathering(name: str):
             return materialize.full_for_initialization(shard, _SPECS[shard])
         if args[4] is not None and not mixed_precision.in_forward():
             args = (*args[:4], None, *args[5:])     # read outside a forward: the shard's dtype, as FSDP2's
+        args = (*args[:6], None)      # eagerly, a float8 weight is gathered in its dtype: its Linear casts it
         write_through.write_back_released(shard)   # earlier reads' writes first: this gather reads them
         version = shard._version
         local = write_through.remember(gather(shard, *args), shard, _SPECS[shard], version)

@@ -4,10 +4,12 @@ Precondition: a step graph compiled with ``data_parallel="fsdp"``, whose model `
 sharded: forward reads each parameter through an all-gather of its shard (``all_gather_into_tensor``
 of a parameter placeholder, ``wait_tensor``, a slice and a view to the parameter's shape:
 ``optpass/fsdp/gather.py``; under a mixed-precision policy the placeholder is first cast to the
-policy's ``param_dtype``), and backward reads the gathered value again (a Linear's input
-gradient multiplies by its weight).
+policy's ``param_dtype``; a torchao float8 weight for FSDP2's float8 all-gather sends float8 bytes
+cast from it with the scale of the ranks' amax, all-reduced), and backward reads the gathered value
+again (a Linear's input gradient multiplies by its weight).
 Rewrite: for each such gather whose parameter was sharded with ``reshard_after_forward=True``, a
-copy of the whole chain (the cast, if any, the all-gather, its wait and the views) is put before the first backward
+copy of the whole chain (what computes the bytes sent from the shard, if anything, the all-gather,
+its wait and the views) is put before the first backward
 node that reads it, and every backward read is pointed at the copy. Then, on every backend but
 gloo (``COALESCE_UNITS``), the gathers of one unit (``unit_of``: a block of a ModuleList/Sequential,
 ``model.layers.3``, else a parameter's module) that follow each other in forward, and again in
@@ -160,10 +162,34 @@ def run(step: StepGraph, options) -> str | None:
 _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
-def _cast_before_gather(start: torch.fx.Node) -> torch.fx.Node | None:
-    """The cast of the shard an all-gather sends (mixed precision), or None."""
-    source = start.args[0]
-    return source if isinstance(source, torch.fx.Node) and source.target in _CASTS else None
+def _prelude(start: torch.fx.Node, placeholders, source: torch.fx.Node | None = None
+             ) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """The parameter placeholder an all-gather sends (``source``: one of a coalesced one's inputs)
+    and the nodes that compute what it sends from it, in graph order: none for a plain shard; its
+    cast to a mixed-precision policy's param_dtype; for a float8 all-gather (``optpass.fsdp.gather``)
+    the shard's amax, its all-reduce, the scale and the cast to float8 bytes. (None, []) when what it
+    sends is not computed from one parameter placeholder alone."""
+    source = start.args[0] if source is None else source
+    if not isinstance(source, torch.fx.Node):
+        return None, []
+    found, nodes, frontier = set(), {}, [source]
+    while frontier:
+        node = frontier.pop()
+        if node in nodes or node in found:
+            continue
+        if node.op == "placeholder":
+            if node not in placeholders:
+                return None, []
+            found.add(node)
+            continue
+        if node.op != "call_function":
+            return None, []
+        nodes[node] = None
+        frontier.extend(node.all_input_nodes)
+    if len(found) != 1:
+        return None, []
+    order = {node: i for i, node in enumerate(start.graph.nodes)}
+    return found.pop(), sorted(nodes, key=lambda n: order[n])
 
 
 def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]]:
@@ -175,8 +201,8 @@ def parameter_gathers(step: StepGraph) -> list[tuple[torch.fx.Node, str, object]
     for node in step.graph.nodes:
         if node.target is not _c10d.all_gather_into_tensor.default or step.region_of(node) != FORWARD:
             continue
-        cast = _cast_before_gather(node)
-        name = by_placeholder.get(cast.args[0] if cast is not None else node.args[0])
+        placeholder, _ = _prelude(node, by_placeholder)
+        name = by_placeholder.get(placeholder)
         spec = shard_spec(tensors.get(name)) if name is not None else None
         if spec is not None:
             found.append((node, name, spec))
@@ -283,9 +309,9 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
             hoisted(name)
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
         with step.graph.inserting_before(first):
-            cast = _cast_before_gather(start)
-            if cast is not None:                # backward casts its own copy: none lives from forward
-                mapping[cast] = step.graph.node_copy(cast)
+            # backward casts its own copy (to param_dtype, or to float8): none lives from forward
+            for node in _prelude(start, step.param_nodes.values())[1]:
+                mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
             mapping[start] = step.graph.node_copy(start, lambda n: mapping.get(n, n))
             for node in chain:
                 mapping[node] = step.graph.node_copy(node, lambda n: mapping.get(n, n))
@@ -365,18 +391,20 @@ def _materialize_lookups(step: StepGraph, gathers, order: dict) -> list[str]:
 
 def _prefetch_one_ahead(step: StepGraph, starts) -> None:
     """Start each all-gather (in graph order) just before the previous one's first wait, where that
-    wait comes before it (its inputs are placeholders, or their casts to the policy's param_dtype,
-    which move along: it may start anywhere; a coalesced one takes its results' getitems along)."""
+    wait comes before it (its inputs are placeholders, or computed from them alone: a cast to the
+    policy's param_dtype, a float8 cast with its amax's all-reduce; these move along, so it may
+    start anywhere; a coalesced one takes its results' getitems along)."""
     order = {node: i for i, node in enumerate(step.graph.nodes)}
+    placeholders = set(step.param_nodes.values())
     starts = sorted(starts, key=lambda n: order[n])
     for previous, start in zip(starts, starts[1:]):
         wait = _first_wait(previous, order)
         if wait is not None and order[wait] < order[start]:
-            shards = start.args[0] if isinstance(start.args[0], (list, tuple)) else [start.args[0]]
-            casts = [c for c in shards if isinstance(c, torch.fx.Node) and c.target in _CASTS
-                     and order[c] > order[wait]]
+            sources = start.args[0] if isinstance(start.args[0], (list, tuple)) else [start.args[0]]
+            preludes = {n for source in sources for n in _prelude(start, placeholders, source)[1]
+                        if order[n] > order[wait]}
             items = [u for u in start.users if u.target is operator.getitem]
-            for node in [*sorted(casts, key=lambda n: order[n]), start, *sorted(items, key=lambda n: order[n])]:
+            for node in [*sorted(preludes, key=lambda n: order[n]), start, *sorted(items, key=lambda n: order[n])]:
                 wait.prepend(node)
 
 
