@@ -211,6 +211,13 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         model, units = build(args)
         if variant == "optpass-fsdp-bf16":
             model.to(torch.bfloat16)
+        if args.float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                       module_filter_fn=lambda module, name: name != "lm_head")
+            if args.model == "mlp":                # the units are the Float8Linears now
+                units = [m for m in model if isinstance(m, torch.nn.Linear)]
         full_params = sum(p.numel() for p in model.parameters())
         unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
         dp_mesh = None
@@ -395,6 +402,10 @@ def main() -> None:
                         help="global-norm clipping: clip_grad_norm_ for fsdp2, options clip_grad_norm for optpass")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"),
                         help="torch.optim's AdamW, or torchao's AdamW8bit (every variant)")
+    parser.add_argument("--float8", action="store_true",
+                        help="torchao's Float8 training with FSDP2's float8 all-gather "
+                             "(Float8LinearConfig(enable_fsdp_float8_all_gather=True)) on every Linear but a "
+                             "Llama's head; 1-D only")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree: a 2-D mesh of world/tp x tp ranks (a Llama only)")
     parser.add_argument("--json", help="write every number here")
@@ -413,11 +424,15 @@ def main() -> None:
         parser.error("--tp needs --model llama, world sizes it divides, and no optpass-zero1 / fsdp2-compile "
                      "(zero1 is refused over a tensor-parallel model; a tensor-parallel block compiled alone "
                      "fails in backward on torch 2.13)")
+    if args.float8 and (args.tp > 1 or {"optpass-zero1", "fsdp2-compile", "optpass-fsdp-bf16"} & set(args.variants)):
+        parser.error("--float8 compares FSDP2's float8 all-gather with optpass's: 1-D (no --tp; optpass refuses the "
+                     "float8 all-gather on a 2-D mesh), fsdp variants in fp32")
     summaries = []
     for world in args.worlds:
         cmd = child_command(__file__, child=True, world=world, model=args.model, width=args.width, depth=args.depth,
                             batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
-                            threads=args.threads, clip=args.clip, optimizer=args.optimizer, tp=args.tp)
+                            threads=args.threads, clip=args.clip, optimizer=args.optimizer, tp=args.tp,
+                            float8=args.float8)
         if not args.same_processes:   # a user runs one: a process per variant, so VmHWM is that variant's
             runs = [run_ranks(cmd + ["--variants", v], world, env=child_env(args.threads), timeout=3600)
                     for v in args.variants]
