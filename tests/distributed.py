@@ -106,12 +106,17 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
                                        + _tails(log_paths, dead)) from None
     finally:
         crashed = any((p.exitcode or 0) < 0 for p in processes)     # then the others are not waited for
-        for p in processes:
-            p.join(timeout=0 if crashed else 30)
+        stuck_in_teardown = set()
+        for r, p in enumerate(processes):
+            p.join(timeout=0 if crashed else 120)
             if p.is_alive():
+                if not crashed and r in results:      # its result came back; its teardown outlasted the wait
+                    stuck_in_teardown.add(r)
                 p.kill()
                 p.join()
-    failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
+    # a rank this call killed after its result came back (destroy_process_group slow on a loaded
+    # machine) is not a fault; one that died on its own in its teardown is
+    failed = [r for r, p in enumerate(processes) if p.exitcode != 0 and r not in stuck_in_teardown]
     if failed:     # every result came back, yet a rank died in its teardown: a fault, not a pass
         error = RankCrashed if any(processes[r].exitcode < 0 for r in failed) else RuntimeError
         raise error(f"ranks {failed} failed after sending their results "

@@ -139,7 +139,8 @@ def test_a_collectives_buffers_freed_on_gloos_thread_are_counted(two_ranks):
     """One all-gather, then five in a row, leave nothing behind: each output dies on gloo's worker
     thread, where torch.profiler's count misses the free (it ended one output above where it began).
     One gather's peak is its output and gloo's staging copy of it; in a row, the next output can be
-    made before gloo's thread has dropped the last one (a third output, alive for real)."""
+    made before gloo's thread has dropped the last one (a third output, alive for real; a fourth
+    where gloo's thread lags further on a loaded machine)."""
     for result in two_ranks:
         gathered = result["gathered_bytes"]
         one_growth, one_end, counted_by = result["gathers_1"]
@@ -147,7 +148,8 @@ def test_a_collectives_buffers_freed_on_gloos_thread_are_counted(two_ranks):
         assert counted_by == "allocator"
         assert (one_end, five_end) == (0, 0), result
         assert gathered <= one_growth <= 2 * gathered + 64 * 1024, result
-        assert one_growth <= five_growth <= 3 * gathered + 64 * 1024, result
+        # gloo's thread may lag by more than one output on a loaded machine (3.5x seen beside 4 busy ranks)
+        assert one_growth <= five_growth <= 4 * gathered + 64 * 1024, result
 
 
 def test_an_fsdp_runs_peak_does_not_drift_with_its_length(two_ranks):
