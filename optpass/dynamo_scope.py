@@ -242,7 +242,7 @@ def keep_compile_end_callback(callback) -> None:
 def _is_hub_kernel_routing(item) -> bool:
     """Is ``item`` (a Dynamo variable) the ``kernels`` package's routing variable
     (``kernels._internals.layer.layer._ACTIVE_KERNEL_FUNCS``, a ``CompileableContextVar``)?"""
-    value = vars(item).get("value")      # not getattr: on some variables `value` is a property that fails
+    value = getattr(item, "__dict__", {}).get("value")   # not getattr: on some variables `value` is a property that fails
     kind = type(value)
     return kind.__name__ == "CompileableContextVar" and kind.__module__.split(".")[0] == "kernels"
 
