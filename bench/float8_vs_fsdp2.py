@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
+from _measure import training_step
 
 
 def mlp(float8_config=None, float8: bool = True) -> nn.Module:
@@ -46,15 +47,8 @@ def optimizer(name: str, model):
     return torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
 
 
-def step_of(model, opt):
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return step
+def mse_of(model):
+    return lambda x, y: F.mse_loss(model(x), y)
 
 
 def relative(ours: dict, theirs: dict) -> float:
@@ -74,10 +68,10 @@ def compare(opt_name: str, steps: int, float8: bool, config=None) -> dict:
             fully_shard(m)
     fully_shard(theirs)
     our_opt, their_opt, one_opt = optimizer(opt_name, ours), optimizer(opt_name, theirs), optimizer(opt_name, one)
-    our_step = torch.compile(step_of(ours, our_opt), backend="optpass",
+    our_step = torch.compile(training_step(mse_of(ours), our_opt), backend="optpass",
                              options={"optimizer": our_opt, "data_parallel": "fsdp", "optimizer_in_backward": True,
                                       "lower": "eager"})
-    their_step = step_of(theirs, their_opt)
+    their_step = training_step(mse_of(theirs), their_opt)
     for i in range(steps):
         x, y = batch(i, world)
         our_step(x.chunk(world)[rank], y.chunk(world)[rank])

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optpass
+from parity import make_step, mlp_loss
 
 STEPS = 4
 
@@ -31,18 +32,6 @@ def float8_mlp(config=None) -> nn.Module:
 def batch(i: int, world: int):
     g = torch.Generator().manual_seed(10 + i)
     return torch.randn(16 * world, 64, generator=g), torch.randn(16 * world, 64, generator=g)
-
-
-def mse_step(model, opt):
-    """The supported step shape on an MSE loss."""
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-    return step
 
 
 def run_all(rank: int, world: int, names: list[str]) -> dict:
@@ -66,7 +55,7 @@ def _fsdp_against_one_process(rank, world, config=None, options=None, precompute
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(1e-2))
 
-    step = mse_step(model, opt)
+    step = make_step(model, opt, mlp_loss)
 
     def reference_step(xs, ys):
         loss = sum(F.mse_loss(reference(x), y) for x, y in zip(xs, ys)) / len(xs)
@@ -116,7 +105,7 @@ def fsdp_float8_all_gather_graph(rank, world):
     optpass.fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
 
-    step = mse_step(model, opt)
+    step = make_step(model, opt, mlp_loss)
     x, y = batch(0, world)
     report = optpass.explain(step, x.chunk(world)[rank], y.chunk(world)[rank],
                              options={"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True})

@@ -102,19 +102,12 @@ def test_a_hugging_face_llama_with_checkpointed_layers_traces_whole_with_hub_ker
     def run(model, compiled: bool) -> list[float]:
         torch._dynamo.reset()
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, dtype=torch.float64))
-
-        def step(ids):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            out = loss.detach()
-            opt.step()
-            opt.zero_grad()
-            return out
+        step = make_step(model, opt, lambda m, ids, labels: m(input_ids=ids, labels=labels).loss)
         if compiled:
             step = torch.compile(step, backend="optpass",
                                  options={"optimizer": opt, "optimizer_in_backward": True, "lower": "eager"})
-        return [float(step(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))))
-                for i in range(3)]
+        batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        return [float(step(ids, ids)) for ids in batches]
 
     losses = run(checkpointed, compiled=True)
     assert all(p.grad is None for p in checkpointed.parameters())       # the update ran in backward

@@ -158,10 +158,6 @@ def run(step: StepGraph, options) -> str | None:
     return None
 
 
-# a shard cast to a mixed-precision policy's param_dtype before its all-gather
-_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
-
-
 def _prelude(start: torch.fx.Node, placeholders, source: torch.fx.Node | None = None
              ) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
     """The parameter placeholder an all-gather sends (``source``: one of a coalesced one's inputs)
@@ -188,6 +184,8 @@ def _prelude(start: torch.fx.Node, placeholders, source: torch.fx.Node | None = 
         frontier.extend(node.all_input_nodes)
     if len(found) != 1:
         return None, []
+    if not nodes:                       # a plain shard: no graph order to compute
+        return found.pop(), []
     order = {node: i for i, node in enumerate(start.graph.nodes)}
     return found.pop(), sorted(nodes, key=lambda n: order[n])
 
