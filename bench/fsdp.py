@@ -289,6 +289,10 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         # communication the schedule overlaps: 1 - (time blocked in wait_tensor) / (collectives alone)
         reports = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"]
         collectives = step_collectives(reports[-1])
+        estimate = reports[-1].memory_after      # the step graph's liveness estimate: where its peak is
+        result["estimated_peak"] = {"bytes": estimate.peak_bytes, "node": estimate.peak_node,
+                                    "by_tag": estimate.bytes_by_tag_at_peak,
+                                    "largest": [list(b) for b in estimate.largest(12)]}
         result["collectives"] = len(collectives)
         result["collectives_alone_s"] = collectives_alone(collectives)
         result["waited_s"] = waited_per_step(lambda: step(*map(cast, next(data))), 3)
@@ -464,6 +468,14 @@ def main() -> None:
             print(f"ranks {s['world']}: {v}: {r0['collectives']} collectives per step take "
                   f"{r0['collectives_alone_s'] * 1e3:.1f} ms alone; the step waits {r0['waited_s'] * 1e3:.1f} ms "
                   f"in wait_tensor: {share:.0%} of the communication overlapped (worst rank)")
+    for s in summaries:
+        for v in args.variants:
+            estimate = s["ranks"][0][v].get("estimated_peak")
+            if estimate:
+                print(f"ranks {s['world']}: {v}: rank 0's step graph peaks (liveness estimate, graph inputs "
+                      f"included) at {estimate['bytes'] / 2**20:.1f} MiB after {estimate['node']}; by kind: "
+                      + ", ".join(f"{k} {b / 2**20:.1f}" for k, b in sorted(estimate["by_tag"].items()))
+                      + "; largest: " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b, _ in estimate["largest"]))
     for s in summaries:
         if "peak_vs_fsdp2" in s:
             print(f"ranks {s['world']}: optpass-fsdp / fsdp2: peak {s['peak_vs_fsdp2']:.3f} (goal <= 0.70), step time "

@@ -27,7 +27,7 @@ LOWERINGS = ("inductor", "eager")
 # The passes of the pipeline, in its order (optpass.passes.PASSES; a test keeps the two equal).
 PASS_NAMES = ("loss_scaling", "clip_grad_norm_in_backward", "accumulate_gradient_in_place", "optimizer_in_backward",
               "master_weights", "logits_gradient_in_chunks", "logits_gradient_in_place",
-              "reshard_after_forward", "shard_optimizer", "per_sample_grad_norm", "update_keeps_parameters_at_zero_lr",
+              "embedding_gradient_rows", "reshard_after_forward", "shard_optimizer", "per_sample_grad_norm", "update_keeps_parameters_at_zero_lr",
               "eliminate_dead_code")
 # The collective plans of data_parallel by name: optpass.passes.shard_optimizer registers its own
 # when optpass loads (its PLANS is this dict); option 'collectives' is 'auto' or one of them.

@@ -540,10 +540,11 @@ def test_a_placement_switched_on_or_off_trains_as_one_process_under_inductor(two
 
 def test_reshard_after_forward_graph_diff_of_a_bias_free_head(two):
     """A language model's bias-free head: backward made the head's weight gradient (mm_1 before)
-    before its input gradient (mm_2 before). After: the head is gathered again (all_gather 4, the
-    next gather prefetched beside it), its input gradient is made from it first (mm_1 after), then
+    before its input gradient (mm_2 before). After: the head is gathered again (all_gather 4), its
+    input gradient is made from it first (mm_1 after, the views of the head just before it), then
     the weight gradient (mm_2 after), so the gathered head and the whole weight gradient are never
-    alive together. The embedding's lookup is a buffer of its own (clone_after: Inductor's lowering)."""
+    alive together; the next gather (all_gather 5) starts once that gradient is sent, not beside it
+    (the head is done; the gradient is the graph's peak). The embedding's lookup is a buffer of its own (clone_after: Inductor's lowering)."""
     assert_expected_inline(_ok(two[0]["reshard_graph_diff_head"])["diff"], """\
 --- before
 +++ after
@@ -585,7 +586,6 @@ def test_reshard_after_forward_graph_diff_of_a_bias_free_head(two):
 -wait_tensor_4 = _c10d_functional.wait_tensor(reduce_scatter_tensor_0)
 -div_0 = aten.div.Tensor(wait_tensor_4, 2)
 +all_gather_into_tensor_4 = _c10d_functional.all_gather_into_tensor(in4, 2, '0/optpass-one-thread')
-+all_gather_into_tensor_5 = _c10d_functional.all_gather_into_tensor(in2, 2, '0/optpass-one-thread')
 +wait_tensor_4 = _c10d_functional.wait_tensor(all_gather_into_tensor_4)
 +slice_4 = aten.slice.Tensor(wait_tensor_4, 0, 0, 4096)
 +view_10 = aten.view(slice_4, [4096, 64])
@@ -599,6 +599,7 @@ def test_reshard_after_forward_graph_diff_of_a_bias_free_head(two):
 +t_6 = aten.t(t_5)
 +view_12 = aten.view(t_6, [4096, 64])
 +reduce_scatter_tensor_0 = _c10d_functional.reduce_scatter_tensor(view_12, 'sum', 2, '0/optpass-one-thread')
++all_gather_into_tensor_5 = _c10d_functional.all_gather_into_tensor(in2, 2, '0/optpass-one-thread')
  detach_3 = aten.detach(detach_0)
 -tanh_backward_0 = aten.tanh_backward(view_10, detach_3)
 -view_12 = aten.view(tanh_backward_0, [8, 64])

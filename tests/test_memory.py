@@ -187,6 +187,24 @@ class TestTagsAndOverlap(unittest.TestCase):
         estimate = estimate_peak_memory(gm)
         self.assertEqual(estimate.peak_bytes, 8192 + 8192 + 4)
 
+    def test_a_collectives_wait_returns_its_buffer(self):
+        """``wait_tensor`` of a functional all-gather is the gathered buffer, not a second one: the
+        schema says nothing of aliasing, so it is named in the estimator."""
+        c10d = torch.ops._c10d_functional
+        graph = torch.fx.Graph()
+        shard = graph.placeholder("shard")
+        shard.meta["val"] = torch.empty(4, 8)
+        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (shard, 2, "0"))
+        gathered.meta["val"] = torch.empty(8, 8)
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        waited.meta["val"] = torch.empty(8, 8)
+        relu = graph.call_function(aten.relu.default, (waited,))
+        relu.meta["val"] = torch.empty(8, 8)
+        graph.output(relu)
+        estimate = estimate_peak_memory(graph, count_inputs=False)
+        self.assertEqual(estimate.peak_bytes, 2 * 256)          # the gathered buffer and relu's
+        self.assertEqual([nbytes for _, nbytes in estimate.timeline], [0, 256, 256, 512, 256])
+
     def test_empty_graph(self):
         self.assertEqual(estimate_peak_memory(torch.fx.Graph()), MemoryEstimate(0, "", [], [], {}))
 

@@ -15,7 +15,8 @@ What counts:
   ``numel * element_size``. Symbolic sizes use their hint, without adding
   guards; a size with no hint weighs 0. Nodes without either meta entry
   allocate nothing.
-* **Views allocate nothing.** For an OpOverload the schema decides: a return
+* **Views allocate nothing.** A functional collective's ``wait_tensor`` neither: it returns the
+  buffer its collective allocated. For other OpOverloads the schema decides: a return
   with alias info aliases the argument in the same alias set, whether it is a
   view (``aten.view``, ``t``, ``expand``, ``reshape``...) or an in-place/out
   write (``add_``, ``copy_``, ``add.out``); ``_unsafe_view`` has no alias info
@@ -299,8 +300,15 @@ def _is_in_place(name: str, target: Any) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+# Ops whose result is their first argument's buffer though the schema says nothing of it: a functional
+# collective's wait returns the tensor the collective allocated.
+_RETURNS_ITS_INPUT = ("_c10d_functional::wait_tensor",)
+
+
 def _op_overload_value(node, index, values, buffers: _Buffers) -> _Value:
     schema = node.target._schema
+    if schema.name in _RETURNS_ITS_INPUT and node.args and isinstance(node.args[0], torch.fx.Node):
+        return _alias_of(node.args[0], _example(node), values)
     returns = schema.returns
     if not returns:
         return _NOTHING

@@ -13,6 +13,7 @@ share is in ``_graph_utils.py`` and ``_row_chunks.py``). The pipeline, in order:
 | master_weights        | master_weights.py        | when asked    | yes: the update runs on fp32 masters |
 | logits_gradient_in_chunks | logits_gradient_in_chunks.py | when asked    | no (rounding only: the head's input gradient summed over vocabulary chunks) |
 | logits_gradient_in_place | logits_gradient_in_place.py | yes (Inductor's lowering) | no (the same ops; the logits gradient written over the logits) |
+| embedding_gradient_rows | embedding_gradient_rows.py | yes           | no (the same sums, for the rows kept) |
 | reshard_after_forward | reshard_after_forward.py | when asked    | no (the same shards gathered again) |
 | shard_optimizer       | shard_optimizer/       | when asked    | no (torch.optim's own update, 1/N of it); with master_weights as master_weights |
 | per_sample_grad_norm  | per_sample_grad_norm/  | yes           | no (rounding only) |
@@ -46,6 +47,7 @@ from optpass.capture import GraphKind
 from optpass.dp_model_checks import DPSGDModelWarning
 from optpass.errors import OptpassError, node_user_line, warn_at_user_line
 from optpass.passes import (accumulate_gradient_in_place, clip_grad_norm_in_backward, eliminate_dead_code,
+                            embedding_gradient_rows,
                             logits_gradient_in_chunks, logits_gradient_in_place, loss_scaling, master_weights,
                             optimizer_in_backward, per_sample_grad_norm, reshard_after_forward, shard_optimizer,
                             update_keeps_parameters_at_zero_lr)
@@ -96,6 +98,8 @@ PASSES: tuple[GraphPass, ...] = (
               asked_by="logits_in_chunks"),
     # A loss's [tokens, vocab] logits gradient written over the logits (a kernel of its own under Inductor).
     GraphPass("logits_gradient_in_place", logits_gradient_in_place.run, applies_to=(GraphKind.STEP,)),
+    # Tensor parallel: a vocabulary-parallel embedding's gradient made for this rank's rows, not the whole table.
+    GraphPass("embedding_gradient_rows", embedding_gradient_rows.run, applies_to=(GraphKind.STEP,)),
     # FSDP: each sharded parameter gathered again for backward, gathers prefetched one ahead (opt-in).
     GraphPass("reshard_after_forward", reshard_after_forward.run, applies_to=(GraphKind.STEP,),
               asked_by="data_parallel"),

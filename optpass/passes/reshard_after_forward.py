@@ -86,6 +86,9 @@ MATERIALIZE_LOOKUPS: bool = True
 # Whether backward's first read of a regathered parameter moves up to just after its other inputs
 # (``_hoist``): before a weight gradient made from the same output gradient, not beside it.
 HOIST_FIRST_READER: bool = True
+# Whether a prefetched all-gather that is in flight at the step graph's estimated peak (its result
+# alive there before anything reads it) starts after that peak instead (``_keep_prefetches_off_the_peak``).
+KEEP_PREFETCH_OFF_THE_PEAK: bool = True
 # Whether each reduce-scatter's wait (and what reads its result: the shard's update in backward)
 # moves down to just before the next reduce-scatter starts (``_defer_reduce_scatter_waits``).
 DEFER_REDUCE_SCATTER_WAITS: bool = True
@@ -99,7 +102,7 @@ def settings(captured=None) -> tuple:
                          if p.tensor is not None and (spec := shard_spec(p.tensor)) is not None
                          and spec.unit is not None)
     return (COALESCE_UNITS, PREFETCH, MATERIALIZE_LOOKUPS, HOIST_FIRST_READER, DEFER_REDUCE_SCATTER_WAITS,
-            tuple(named_units))
+            KEEP_PREFETCH_OFF_THE_PEAK, tuple(named_units))
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -125,8 +128,9 @@ def run(step: StepGraph, options) -> str | None:
     forward_units = _gather_units(step, [(start, name) for start, name, _ in gathers], coalesce, specs)
     backward_units = _gather_units(step, regathered, coalesce, specs)
     if prefetch:
-        _prefetch_one_ahead(step, forward_units)
-        _prefetch_one_ahead(step, backward_units)
+        prefetched = _prefetch_one_ahead(step, forward_units) + _prefetch_one_ahead(step, backward_units)
+        if KEEP_PREFETCH_OFF_THE_PEAK:
+            _keep_prefetches_off_the_peak(step, prefetched)
     if DEFER_REDUCE_SCATTER_WAITS:
         _defer_reduce_scatter_waits(step)
     kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
@@ -332,7 +336,26 @@ def _hoist(reader: torch.fx.Node, gathered: set, step: StepGraph) -> bool:
     when the weight's gradient comes first, the regathered parameter (and gloo's copy while it
     arrives) would be gathered beside that whole-parameter gradient. Read first, the parameter is
     gathered, read and freed before the gradient is made. Whether it moved past a computation (views
-    of the gathered parameter, which backward's copy replaces, do not count)."""
+    of the gathered parameter, which backward's copy replaces, do not count).
+
+    A view of the parameter as the first read (``t(W)`` before ``mm(dY, t(W))``) computes nothing:
+    the view chain moves down to its reader, that reader is what moves up, and the chain lands just
+    before it; alone, a view has no other input and would rise to the start of backward, taking the
+    regather with it, beside the forward's own gathered copy and the loss. A chain read by more than
+    one node stays where it is, unhoisted."""
+    views = []
+    while is_view(reader) and _movable(reader) and len(reader.users) == 1:
+        views.append(reader)
+        reader = next(iter(reader.users))
+    if views and is_view(reader):
+        return False
+    if views:
+        for view in views:
+            reader.prepend(view)
+        passed = _hoist(reader, gathered | set(views), step)
+        for view in views:
+            reader.prepend(view)
+        return passed
     if not _movable(reader):
         return False
     inputs = set(reader.all_input_nodes) - gathered
@@ -387,14 +410,16 @@ def _materialize_lookups(step: StepGraph, gathers, order: dict) -> list[str]:
     return names
 
 
-def _prefetch_one_ahead(step: StepGraph, starts) -> None:
+def _prefetch_one_ahead(step: StepGraph, starts) -> list[tuple[torch.fx.Node, list[torch.fx.Node], torch.fx.Node]]:
     """Start each all-gather (in graph order) just before the previous one's first wait, where that
     wait comes before it (its inputs are placeholders, or computed from them alone: a cast to the
     policy's param_dtype, a float8 cast with its amax's all-reduce; these move along, so it may
-    start anywhere; a coalesced one takes its results' getitems along)."""
+    start anywhere; a coalesced one takes its results' getitems along). Returns each gather moved,
+    its nodes (prelude, start, getitems) in graph order, and the gather it was moved ahead of."""
     order = {node: i for i, node in enumerate(step.graph.nodes)}
     placeholders = set(step.param_nodes.values())
     starts = sorted(starts, key=lambda n: order[n])
+    moved = []
     for previous, start in zip(starts, starts[1:]):
         wait = _first_wait(previous, order)
         if wait is not None and order[wait] < order[start]:
@@ -402,8 +427,61 @@ def _prefetch_one_ahead(step: StepGraph, starts) -> None:
             preludes = {n for source in sources for n in _prelude(start, placeholders, source)[1]
                         if order[n] > order[wait]}
             items = [u for u in start.users if u.target is operator.getitem]
-            for node in [*sorted(preludes, key=lambda n: order[n]), start, *sorted(items, key=lambda n: order[n])]:
+            nodes = [*sorted(preludes, key=lambda n: order[n]), start, *sorted(items, key=lambda n: order[n])]
+            for node in nodes:
                 wait.prepend(node)
+            moved.append((start, nodes, previous))
+    return moved
+
+
+def _keep_prefetches_off_the_peak(step: StepGraph, prefetched, rounds: int = 64) -> None:
+    """A prefetch must not make the step's peak once the unit it overlaps is done: while the
+    graph's estimated peak (liveness, ``estimate_peak_memory``) falls where a prefetched all-gather
+    is in flight (started, its result not yet read) and after the last read of the unit it was
+    moved ahead of, that gather (with its prelude and getitems) starts just after the peak instead.
+
+    Prefetching one ahead starts a unit's gather at the previous unit's first wait, to travel while
+    that unit computes. Where something that is no gathered unit runs after it (the norm pass's
+    embedding gradient under clipping in backward, vocabulary-sized), the gather would sit beside
+    it: on a 132M Llama on dp 2 x tp 2, the second backward's first gather (the head's shard, 31 MiB)
+    was alive at the step's peak. A peak while the previous unit still computes is what
+    prefetching costs, and stays. Starting a gather later only shortens its result's life, so no
+    point of the timeline rises; each round lowers the peak by one gather or ends."""
+    from optpass.analysis.memory import estimate_peak_memory
+
+    for _ in range(rounds):
+        nodes = list(step.graph.nodes)
+        order = {node: i for i, node in enumerate(nodes)}
+        estimate = estimate_peak_memory(step.graph)
+        peak = next((n for n in nodes if n.name == estimate.peak_node), None)
+        if peak is None:
+            return
+        in_flight = []
+        for start, group, previous in prefetched:
+            wait = _first_wait(start, order)
+            if (wait is not None and order[start] < order[peak] < order[wait] and peak not in group
+                    and _last_reader(previous, order) < order[peak]):
+                in_flight.append(group)
+        if not in_flight:
+            return
+        for group in in_flight:
+            anchor = peak
+            for node in group:
+                anchor.append(node)
+                anchor = node
+
+
+def _last_reader(start: torch.fx.Node, order: dict) -> int:
+    """The position of the last node that reads what an all-gather gathered (through its waits,
+    getitems and views)."""
+    last, frontier, seen = order[start], [start], {start}
+    while frontier:
+        for user in frontier.pop().users:
+            last = max(last, order[user])
+            if user not in seen and (user.target in (operator.getitem, _c10d.wait_tensor.default) or is_view(user)):
+                seen.add(user)
+                frontier.append(user)
+    return last
 
 
 def _defer_reduce_scatter_waits(step: StepGraph) -> None:
