@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -126,6 +127,7 @@ def _specialize_symbolic_floats(gm) -> None:
 
 
 def _compile(gm, example_inputs, options, mode):
+    started = time.perf_counter()
     # A typo in options is an error now, not a silently different compile.
     options = Options.from_user(options)
     if mode not in (None, "default"):
@@ -170,10 +172,12 @@ def _compile(gm, example_inputs, options, mode):
     check_hyperparameter_writes(captured, fused=runtime is not None)
     # A rewrite that fuses the update into the step graph: prove it legal on this graph, then run
     # the step through that rewrite's callable (STEP_RUNTIMES: the first whose options are set).
+    captured.checks_seconds = time.perf_counter() - started     # the compile's first phase (progress)
     if runtime is None or captured.kind in (GraphKind.OTHER, GraphKind.MODEL):
         return _with_rank_zeros_buffers(lowering.lower(gm, example_inputs, {}, captured=captured, options=options),
                                         gm, captured, options)
     runtime.check(gm, captured, options)
+    captured.checks_seconds = time.perf_counter() - started
     lower = functools.partial(lowering.lower, captured=captured, options=options)
     if captured.kind is GraphKind.STEP and (options.optimizer_in_backward or ends_at_optimizer_step(captured)):
         # torch.compile(dynamic=True): Python floats made symbolic are specialized now, while Dynamo
@@ -397,6 +401,7 @@ def _scaled_micro_step(captured, options) -> bool:
 
 def explaining_backend(gm, example_inputs, options=None):
     """optpass.explain's backend: the same capture and passes, run on nothing (no training)."""
+    started = time.perf_counter()
     options = Options.from_user(options)
     captured = capture(gm)
     report = record(GraphReport(captured, "explain (aten graph, not run)"))
@@ -447,6 +452,7 @@ def explaining_backend(gm, example_inputs, options=None):
     fuse = (runtime is not None and runtime.step is not ShardedStep and scaler_legal
             and (masters_legal or runtime.step is not MasterWeightsStep)
             and (in_backward_legal if options.optimizer_in_backward else ends_at_optimizer_step(captured)))
+    captured.checks_seconds = time.perf_counter() - started
     if fuse and captured.kind is GraphKind.STEP:
         # What the first real step compiles: torch.optim's update harvested and spliced in.
         compile_fn = functools.partial(lowering.lower_for_explain, captured=captured, options=options,

@@ -140,6 +140,8 @@ class CapturedGraph:
     # a backward() declined in a frame that held nothing before it (so no graph ended there), seen
     # at the next graph captured: that backward's forward-kind view, for the warning and the refusal
     backward_declined: "CapturedGraph | None" = None
+    # seconds optpass spent naming the graph's values and checking it before lowering (progress)
+    checks_seconds: float = 0.0
 
     @property
     def param_by_name(self) -> dict[str, Parameter]:

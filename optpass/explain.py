@@ -202,6 +202,9 @@ def _describe(index: int, g: GraphReport) -> list[str]:
     if d["aten_ops_before"] is not None:
         regions = ", ".join(f"{k} {v}" for k, v in d["regions"].items())
         lines.append(f"    aten ops: {d['aten_ops_before']} -> {d['aten_ops_after']}; regions: {regions}")
+    if d["phase_seconds"]:
+        lines.append("    compile phases: " + ", ".join(f"{name} {seconds:.1f} s"
+                                                      for name, seconds in d["phase_seconds"].items()))
     if g.legality:
         lines.append(f"    legality: {g.legality}")
     for outcome in g.passes:

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,7 @@ from optpass.capture import CapturedGraph, GraphKind
 from optpass.checkpointed_regions import rematerialize, torch_remat_off
 from optpass.errors import OptpassError
 from optpass.fsdp import write_through
+from optpass.progress import CompileClock
 from optpass.random_draws import draw_randn_like_in_one_op
 from optpass.report import GraphReport, keeping_graphs, record
 from optpass.step import FORWARD, GRADIENT_KEY, REGION_KEY, StepGraph
@@ -104,10 +106,12 @@ def _named_inputs(estimate, step: StepGraph):
 def lower(gm, example_inputs, context, *, captured, options):
     """Lower: Inductor runs the pipeline as a post-grad pass; eager runs the rewritten aten graph."""
     report = record(GraphReport(captured, options.lower))
-    rewrite_fn = functools.partial(rewrite, captured=captured, options=options, report=report,
-                                   context=context)
+    clock, rewrite_fn = _timed_rewrite(report, captured, options, context,
+                                       after="inductor" if options.lower == "inductor" else None)
     if options.lower == "eager":
-        return _after_released_writes(lower_eager(gm, example_inputs, rewrite_fn), options)
+        compiled = lower_eager(gm, example_inputs, rewrite_fn)
+        clock.end()
+        return _after_released_writes(compiled, options)
     # What a pass reads from the context changes the rewritten graph (e.g. this rank's shard).
     key = repr((options.digest(), captured.roles_digest(),
                 sorted((k, getattr(v, "digest", lambda: "")()) for k, v in context.items()),
@@ -119,10 +123,34 @@ def lower(gm, example_inputs, context, *, captured, options):
     compiled = lower_inductor(gm, example_inputs, rewrite_fn, key, patches)
     pipeline_record = _PipelineRecord(gm, example_inputs, key)
     if report.aten_ops_before is None:       # Inductor's cache served the graph: the passes did not run here
+        clock.rename("cached compile")
+        clock.end()
         pipeline_record.load_into(report)
     else:
+        clock.end()
         pipeline_record.save(report)
     return _after_released_writes(compiled, options)
+
+
+def _timed_rewrite(report: GraphReport, captured: CapturedGraph, options, context, after: str | None):
+    """The pipeline as the lowering calls it, timed: ``aten trace`` until it is called, ``passes``
+    while it runs, then ``after`` (Inductor's work; None: nothing is timed after it). The clock
+    counts optpass's checks before lowering (``captured.checks_seconds``) as the first phase."""
+    clock = CompileClock(report, started=time.perf_counter() - captured.checks_seconds)
+    if captured.checks_seconds:
+        report.phase_seconds["checks"] = captured.checks_seconds
+    clock.begin("aten trace")
+
+    def rewrite_fn(graph):
+        if _is_backward_graph(graph):
+            return rewrite(graph, captured=captured, options=options, report=report, context=context)
+        clock.begin("passes")
+        rewrite(graph, captured=captured, options=options, report=report, context=context)
+        if after is None:
+            clock.end()
+        else:
+            clock.begin(after)
+    return clock, rewrite_fn
 
 
 def _after_released_writes(compiled, options):
@@ -182,9 +210,10 @@ class _PipelineRecord:
 
 def lower_for_explain(gm, example_inputs, context, *, captured, options, report):
     """optpass.explain's lowering: the pipeline runs on the aten graph, nothing runs (``lower_dry``)."""
-    rewrite_fn = functools.partial(rewrite, captured=captured, options=options, report=report,
-                                   context=context)
-    return lower_dry(gm, example_inputs, rewrite_fn)
+    clock, rewrite_fn = _timed_rewrite(report, captured, options, context, after=None)
+    compiled = lower_dry(gm, example_inputs, rewrite_fn)
+    clock.end()
+    return compiled
 
 
 def _spell_out_alpha(step: StepGraph) -> None:

@@ -52,6 +52,9 @@ class GraphReport:
         from_cache: Inductor's cache served the compiled graph, so the passes did not run in this
             process; ``passes``, ``regions`` and the op counts are those recorded when the graph
             was compiled (empty if no record was kept).
+        phase_seconds: seconds each phase of the graph's compile took, in order: ``checks``,
+            ``aten trace``, ``passes``, ``inductor`` (``cached compile`` where Inductor's cache
+            served it); ``optpass.progress`` logs them while a long compile runs.
     """
 
     captured: CapturedGraph
@@ -70,6 +73,7 @@ class GraphReport:
     error: str | None = None
     legality: str | None = None                # explain: the verdict on a requested rewrite
     from_cache: bool = False
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def kind(self) -> GraphKind:
@@ -111,6 +115,7 @@ class GraphReport:
             "error": self.error,
             "legality": self.legality,
             "from_cache": self.from_cache,
+            "phase_seconds": dict(self.phase_seconds),
         }
 
 
