@@ -265,18 +265,20 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         dtype = next(model.parameters()).dtype
         cast = (lambda t: t.to(dtype) if t.is_floating_point() else t)
         with optpass.keep_graphs():
-            began = time.perf_counter()
-            step(*map(cast, next(data)))              # optpass: compiles here
-            first_step_s = time.perf_counter() - began
+            with live.mark(f"{variant}/first step"):
+                began = time.perf_counter()
+                step(*map(cast, next(data)))              # optpass: compiles here
+                first_step_s = time.perf_counter() - began
             for _ in range(args.warmup - 1):
                 step(*map(cast, next(data)))
         dist.barrier()
-        for _ in range(args.steps):
-            x, y = map(cast, next(data))
-            dist.barrier()
-            began = time.perf_counter()
-            step(x, y)
-            times.append(time.perf_counter() - began)
+        with live.mark(f"{variant}/later steps"):
+            for _ in range(args.steps):
+                x, y = map(cast, next(data))
+                dist.barrier()
+                began = time.perf_counter()
+                step(x, y)
+                times.append(time.perf_counter() - began)
     holder = sharded_state(opt).shard_optimizer if variant == "optpass-zero1" else opt   # zero1 keeps its own
     holders = holder.optimizers if variant == "fsdp2-hooks" else [holder]
     state = sum(stored_bytes(local(v)) for h in holders for s in h.state.values() for v in s.values()
@@ -290,6 +292,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
         reports = [r for r in optpass.recent_reports() if r.graph_after is not None and r.kind.value == "step"]
         collectives = step_collectives(reports[-1])
         estimate = reports[-1].memory_after      # the step graph's liveness estimate: where its peak is
+        result["embedding_rows"] = [str(p) for p in reports[-1].passes if p.name == "embedding_gradient_rows"]
         result["estimated_peak"] = {"bytes": estimate.peak_bytes, "node": estimate.peak_node,
                                     "by_tag": estimate.bytes_by_tag_at_peak,
                                     "largest": [list(b) for b in estimate.largest(12)]}
@@ -341,12 +344,18 @@ def rank_main(args) -> None:
     live.start()
     results = {variant: run_variant(variant, args, args.rank, args.world, live) for variant in args.variants}
     rss_peak = proc_status_kib("VmHWM") * 1024      # the whole process's peak RSS, never reset
-    marks = live.stop()["marks"]
+    stopped = live.stop()
+    marks = stopped["marks"]
     for variant, result in results.items():
         before, build, train = (marks[f"{variant}/{m}"] for m in ("before", "build", "train"))
         # the training run's peak above what earlier variants in this process left alive (a user
         # runs one); building the full model before sharding is reported beside it
         left = before["end_bytes"]
+        first, later = marks[f"{variant}/first step"], marks[f"{variant}/later steps"]
+        # where the run's peak fell (the first step compiles; the later steps are the steady state)
+        result.update(first_step_peak_bytes=first["peak_bytes"] - left, later_steps_peak_bytes=later["peak_bytes"] - left,
+                      peak_in=stopped["peak_in"] if len(args.variants) == 1 else None,
+                      alive_at_peak=stopped["alive_at_peak"][:12] if len(args.variants) == 1 else None)
         result.update(peak_bytes=train["peak_bytes"] - left, build_peak_bytes=build["peak_bytes"] - left,
                       left_by_earlier_variants_bytes=left, rss_start_bytes=rss_start, rss_peak_bytes=rss_peak,
                       variants_in_process=len(args.variants))
@@ -470,6 +479,13 @@ def main() -> None:
                   f"in wait_tensor: {share:.0%} of the communication overlapped (worst rank)")
     for s in summaries:
         for v in args.variants:
+            worst = max(s["ranks"], key=lambda r: r[v]["peak_bytes"])[v]
+            where = (f"; the run's peak fell in '{worst['peak_in']}', tensors of 1 MiB or more made there alive at "
+                     f"it: {', '.join(f'{b / 2**20:.1f}' for b in worst['alive_at_peak'])} MiB"
+                     if worst.get("peak_in") else "")
+            print(f"ranks {s['world']}: {v}: worst rank's peak {worst['peak_bytes'] / 2**20:.1f} MiB: in its first "
+                  f"step {worst['first_step_peak_bytes'] / 2**20:.1f}, in the later steps "
+                  f"{worst['later_steps_peak_bytes'] / 2**20:.1f}{where}")
             estimate = s["ranks"][0][v].get("estimated_peak")
             if estimate:
                 print(f"ranks {s['world']}: {v}: rank 0's step graph peaks (liveness estimate, graph inputs "

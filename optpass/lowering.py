@@ -35,7 +35,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from optpass import passes
+from optpass import cache_artifacts, passes
 from optpass.passes import _row_chunks, outline_updates, reshard_after_forward
 from optpass.analysis.memory import estimate_peak_memory
 from optpass.capture import CapturedGraph, GraphKind
@@ -184,14 +184,12 @@ class _PipelineRecord:
         data = {"passes": [dataclasses.asdict(p) for p in report.passes], "regions": report.regions,
                 "aten_ops_before": report.aten_ops_before, "aten_ops_after": report.aten_ops_after,
                 "outlined_updates": report.outlined_updates}
+        content = json.dumps(data).encode()
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            temporary = f"{self.path}.{os.getpid()}.tmp"
-            with open(temporary, "w") as f:
-                json.dump(data, f)
-            os.replace(temporary, self.path)
+            cache_artifacts.write_atomically(self.path, content)
         except OSError:
-            pass                          # a read-only cache: the next cache hit reports no passes
+            return                        # a read-only cache: the next cache hit reports no passes
+        cache_artifacts.record(self.path, content)
 
     def load_into(self, report: GraphReport) -> None:
         report.from_cache = True
@@ -200,6 +198,7 @@ class _PipelineRecord:
                 data = json.load(f)
         except (OSError, ValueError):
             return
+        cache_artifacts.record(self.path)
         report.passes = [passes.PassOutcome(**p) for p in data["passes"]]
         for outcome in report.passes:
             passes.warn_outcome(outcome)             # what the pipeline warned when it ran

@@ -290,6 +290,43 @@ print(counters["inductor"]["fxgraph_cache_hit"])
         assert report == [[True, cold[0][1], cold[0][2]]], (report, cold)
 
 
+def test_a_job_moved_to_another_machine_starts_warm_from_saved_cache_artifacts(tmp_path):
+    """torch.compiler.save_cache_artifacts() after the first steps, load_cache_artifacts() in a new
+    process with an empty cache directory (another machine): every Inductor graph of the step comes
+    from the artifacts, none is compiled again, and training goes on as in the first process."""
+    program = SUPPORTED_STEP + """
+import sys, optpass
+from torch._dynamo.utils import counters
+path, role = sys.argv[1], sys.argv[2]
+if role == "resumed":
+    torch.compiler.load_cache_artifacts(open(path, "rb").read())
+step = torch.compile(train_step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
+losses = [step(x, y).item() for _ in range(3)]
+if role == "first":
+    artifacts, info = torch.compiler.save_cache_artifacts()
+    open(path, "wb").write(artifacts)
+step_report = next(r for r in optpass.recent_reports() if r.kind.value == "step")
+print(step_report.from_cache, sorted(p.name for p in step_report.passes if p.status == "applied"))
+print(repr(losses), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+    path = str(tmp_path / "artifacts.bin")
+    runs = []
+    for role in ("first", "resumed"):
+        cache = tmp_path / f"cache_{role}"
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(program), path, role], capture_output=True,
+                                text=True, timeout=600, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+        assert result.returncode == 0, result.stdout + result.stderr
+        reported, counted = result.stdout.strip().splitlines()[-2:]
+        runs.append((reported, *counted.rsplit(" ", 2)))
+    (first_report, first_losses, _, first_misses), (report, losses, hits, misses) = runs
+    # what the passes did reaches the other machine too (the record of the pipeline travels)
+    assert first_report.startswith("False") and "optimizer_in_backward" in first_report, runs
+    assert report == "True" + first_report[len("False"):], runs
+    assert int(first_misses) >= 1
+    assert int(hits) >= 1 and int(misses) == 0, runs
+    assert losses == first_losses, runs
+
+
 def test_a_user_who_sets_inductors_subprocess_compile_mode_still_gets_the_rewrite(tmp_path):
     """TORCHINDUCTOR_FX_COMPILE_MODE=SUBPROCESS compiles a graph in a child process with the portable
     config, which leaves optpass's post-grad pass out: without the guard this fp32 step compiled

@@ -5,33 +5,19 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 import optpass
 from optpass import progress
-from parity import make_step
-
-STEP = textwrap.dedent("""
-    import torch, torch.nn.functional as F
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-""")
-
+from test_backend import SUPPORTED_STEP
 
 def tiny_step():
+    """A model, its optimizer, the supported step and a batch (test_backend's program)."""
     namespace = {}
-    exec(STEP, namespace)
-    return namespace["model"], namespace["opt"], namespace["step"]
+    exec(SUPPORTED_STEP, namespace)
+    return namespace["opt"], namespace["train_step"], (namespace["x"], namespace["y"])
 
 
 @pytest.fixture
@@ -41,11 +27,11 @@ def every_compile_is_long(monkeypatch):
 
 def test_each_phase_is_logged_with_its_time_and_what_comes_next(every_compile_is_long, caplog):
     torch._dynamo.reset()
-    model, opt, step = tiny_step()
+    opt, step, batch = tiny_step()
     compiled = torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
     optpass.report.clear_reports()
     with caplog.at_level(logging.INFO, logger="optpass.progress"):
-        compiled(torch.randn(3, 4), torch.randn(3, 2))
+        compiled(*batch)
     lines = [r.getMessage() for r in caplog.records if r.name == "optpass.progress"]
     assert any("step graph" in line and "aten trace took" in line and "next: passes" in line for line in lines), lines
     assert any("passes took" in line and "next: inductor" in line for line in lines), lines
@@ -70,14 +56,14 @@ def test_a_short_compile_says_nothing(caplog):
 
 def test_the_optpass_logger_silences_it(every_compile_is_long, caplog):
     torch._dynamo.reset()
-    model, opt, step = tiny_step()
+    opt, step, batch = tiny_step()
     compiled = torch.compile(step, backend="optpass", options={"optimizer": opt, "lower": "eager"})
     optpass_logger = logging.getLogger("optpass")
     old = optpass_logger.level
     optpass_logger.setLevel(logging.WARNING)
     try:
         with caplog.at_level(logging.INFO, logger="optpass.progress"):
-            compiled(torch.randn(3, 4), torch.randn(3, 2))
+            compiled(*batch)
     finally:
         optpass_logger.setLevel(old)
     assert not [r for r in caplog.records if r.name == "optpass.progress"]
@@ -85,9 +71,9 @@ def test_the_optpass_logger_silences_it(every_compile_is_long, caplog):
 
 def test_shown_on_stderr_where_logging_is_not_configured():
     """A user's script that configures no logging sees the phases on stderr."""
-    script = ("import optpass.progress; optpass.progress.SHOW_AFTER_S = 0.0\n" + STEP +
-              "step = torch.compile(step, backend='optpass', options={'optimizer': opt})\n"
-              "step(torch.randn(3, 4), torch.randn(3, 2))\n")
+    script = ("import optpass.progress; optpass.progress.SHOW_AFTER_S = 0.0\n" + SUPPORTED_STEP +
+              "step = torch.compile(train_step, backend='optpass', options={'optimizer': opt})\n"
+              "step(x, y)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -95,7 +81,6 @@ def test_shown_on_stderr_where_logging_is_not_configured():
 
 
 def test_explain_reports_the_phase_times():
-    model, opt, step = tiny_step()
-    text = str(optpass.explain(step, torch.randn(3, 4), torch.randn(3, 2),
-                               options={"optimizer": opt, "optimizer_in_backward": True}))
+    opt, step, batch = tiny_step()
+    text = str(optpass.explain(step, *batch, options={"optimizer": opt, "optimizer_in_backward": True}))
     assert "compile phases: checks" in text and "aten trace" in text and "passes" in text, text

@@ -25,6 +25,8 @@ import threading
 import torch
 import torch.fx
 
+from optpass import cache_artifacts
+
 _LOCK = threading.RLock()
 _GRAPHS: dict[str, torch.fx.GraphModule] = {}   # key -> the kind's aten graph
 _COMPILED: dict[tuple, object] = {}              # (key, input alignment) -> Inductor's callable
@@ -46,14 +48,12 @@ def register(key: str, gm: torch.fx.GraphModule) -> None:
         _GRAPHS[key] = gm
     path = _graph_path(key)
     if os.path.exists(path):
+        cache_artifacts.record(path)
         return
     buffer = io.BytesIO()
     torch.save(gm, buffer)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(temporary, "wb") as f:
-        f.write(buffer.getvalue())
-    os.replace(temporary, path)
+    cache_artifacts.write_atomically(path, buffer.getvalue())
+    cache_artifacts.record(path, buffer.getvalue())
 
 
 def _graph_path(key: str) -> str:
@@ -72,6 +72,7 @@ def _graph(key: str) -> torch.fx.GraphModule:
                            "(Inductor's cache directory changed under a cached step graph?); clear "
                            "Inductor's cache (torch._inductor.utils.fresh_inductor_cache) and compile again")
     gm = torch.load(path, weights_only=False)
+    cache_artifacts.record(path)            # a job saving its cache artifacts takes it along
     with _LOCK:
         if key not in _GRAPHS:
             _GRAPHS[key] = gm
