@@ -16,12 +16,16 @@ from __future__ import annotations
 import os
 
 from torch._inductor.runtime.cache_dir_utils import cache_dir
-from torch.compiler._cache import CacheArtifact, CacheArtifactFactory, CacheArtifactManager
+
+try:        # torch's mega-cache (torch.compiler.save_cache_artifacts); private, so optional
+    from torch.compiler._cache import CacheArtifact, CacheArtifactFactory, CacheArtifactManager
+except ImportError:           # a torch without it: optpass's files stay on this machine's cache
+    CacheArtifact = CacheArtifactFactory = CacheArtifactManager = None
 
 _TYPE = "optpass_file"
 
 
-class OptpassFileArtifact(CacheArtifact):
+class OptpassFileArtifact(CacheArtifact or object):
     """A file under Inductor's cache directory; ``key`` is its path relative to that directory."""
 
     def populate_cache(self) -> None:
@@ -35,8 +39,8 @@ class OptpassFileArtifact(CacheArtifact):
         return _TYPE
 
 
-if _TYPE not in CacheArtifactFactory._artifact_types:     # once per process (a module reloaded keeps it)
-    CacheArtifactFactory.register(OptpassFileArtifact)
+if CacheArtifactFactory is not None and _TYPE not in CacheArtifactFactory._artifact_types:
+    CacheArtifactFactory.register(OptpassFileArtifact)      # once per process
 
 
 def write_atomically(path: str, content: bytes) -> None:
@@ -52,7 +56,7 @@ def record(path: str, content: bytes | None = None) -> None:
     """Count the file at ``path`` (under Inductor's cache directory) among the artifacts
     ``save_cache_artifacts`` packs; ``content``: its bytes, if the caller has them."""
     relative = os.path.relpath(path, cache_dir())
-    if relative.startswith(".."):
+    if CacheArtifactManager is None or relative.startswith(".."):
         return
     if content is None:
         try:
