@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+import optpass
 import tensor_parallel_workers as workers
 from distributed import run_ranks, values
 
@@ -157,3 +158,17 @@ def test_optpass_own_fsdp_checkpoint_of_a_2d_model_is_refused_with_torchs_way(tw
     for result in trained:
         kind, message, _ = result["optpass_checkpoint"]["error"]
         assert kind == "OptpassError" and "2-D mesh" in message and "get_state_dict" in message
+
+
+def test_the_llama_plan_refuses_a_head_tied_to_the_embedding():
+    """parallelize_module gives the head and the embedding a DTensor each: a tied pair would train
+    apart silently (0.58 from one process after 3 eager steps), so the plan refuses it, with the fix;
+    nothing is planned (no mesh is needed to be told)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(optpass.OptpassError, match="tie_word_embeddings=False"):
+        optpass.plans.hugging_face_llama(model, mesh=None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
