@@ -194,11 +194,12 @@ class _PipelineRecord:
     def load_into(self, report: GraphReport) -> None:
         report.from_cache = True
         try:
-            with open(self.path) as f:
-                data = json.load(f)
+            with open(self.path, "rb") as f:
+                content = f.read()
+            data = json.loads(content)
         except (OSError, ValueError):
             return
-        cache_artifacts.record(self.path)
+        cache_artifacts.record(self.path, content)
         report.passes = [passes.PassOutcome(**p) for p in data["passes"]]
         for outcome in report.passes:
             passes.warn_outcome(outcome)             # what the pipeline warned when it ran

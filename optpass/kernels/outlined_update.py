@@ -71,8 +71,10 @@ def _graph(key: str) -> torch.fx.GraphModule:
         raise RuntimeError(f"optpass: the update graph {key} is neither in this process nor at {path} "
                            "(Inductor's cache directory changed under a cached step graph?); clear "
                            "Inductor's cache (torch._inductor.utils.fresh_inductor_cache) and compile again")
-    gm = torch.load(path, weights_only=False)
-    cache_artifacts.record(path)            # a job saving its cache artifacts takes it along
+    with open(path, "rb") as f:
+        content = f.read()
+    gm = torch.load(io.BytesIO(content), weights_only=False)
+    cache_artifacts.record(path, content)   # a job saving its cache artifacts takes it along
     with _LOCK:
         if key not in _GRAPHS:
             _GRAPHS[key] = gm

@@ -17,7 +17,8 @@ Rewrite: the tokens that fall in the kept rows ``[a, b)`` (and are not ``pad``) 
 padding index, so it adds nothing; the gradient is made over ``b - a + 1`` rows and its first
 ``b - a`` are the result; a ``clone`` of the kept rows (DTensor's contiguous copy) reads that slice
 as it is (it is contiguous and nothing else holds its buffer). Inductor's form: the accumulation
-starts from ``full([b - a, d], 0)`` (the same node, its size changed), its mask also requires ``a <= idx < b``, its index is ``idx - a``.
+starts from ``full([b - a, d], 0)`` (the same node, its size changed), its mask also requires
+``a <= idx < b``, its index is ``idx - a``.
 
 Effect: the gradient is ``(b - a + 1) x d`` instead of ``V x d`` plus a copy of ``(b - a) x d``. On
 tensor parallel 2 with a 16000 x 1024 fp32 embedding, 93.8 MiB alive at the embedding's backward
