@@ -26,11 +26,15 @@ def every_compile_is_long(monkeypatch):
 
 
 def test_each_phase_is_logged_with_its_time_and_what_comes_next(every_compile_is_long, caplog):
+    """Inductor's caches are off here: another test in this process may have compiled the same
+    step, and a cache hit is one phase, ``cached compile`` (test_a_cache_hit_is_one_phase)."""
     torch._dynamo.reset()
     opt, step, batch = tiny_step()
     compiled = torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
     optpass.report.clear_reports()
-    with caplog.at_level(logging.INFO, logger="optpass.progress"):
+    with caplog.at_level(logging.INFO, logger="optpass.progress"), \
+            torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         compiled(*batch)
     lines = [r.getMessage() for r in caplog.records if r.name == "optpass.progress"]
     assert any("step graph" in line and "aten trace took" in line and "next: passes" in line for line in lines), lines
@@ -40,6 +44,23 @@ def test_each_phase_is_logged_with_its_time_and_what_comes_next(every_compile_is
     assert list(step_report.phase_seconds) == ["checks", "aten trace", "passes", "inductor"], step_report.phase_seconds
     assert all(seconds >= 0 for seconds in step_report.phase_seconds.values())
     assert step_report.to_dict()["phase_seconds"] == step_report.phase_seconds
+
+
+def test_a_cache_hit_is_one_phase(every_compile_is_long, caplog):
+    """A step Inductor's cache serves (the same program compiled twice in a process) is logged as
+    one ``cached compile`` phase: the passes did not run, their report is read back."""
+    for attempt in range(2):
+        torch._dynamo.reset()
+        opt, step, batch = tiny_step()
+        compiled = torch.compile(step, backend="optpass", options={"optimizer": opt, "optimizer_in_backward": True})
+        optpass.report.clear_reports()
+        with caplog.at_level(logging.INFO, logger="optpass.progress"):
+            caplog.clear()
+            compiled(*batch)
+    lines = [r.getMessage() for r in caplog.records if r.name == "optpass.progress"]
+    assert any("step graph" in line and "cached compile took" in line for line in lines), lines
+    step_report = next(r for r in optpass.recent_reports() if r.kind.value == "step")
+    assert "cached compile" in step_report.phase_seconds, step_report.phase_seconds
 
 
 def test_a_short_compile_says_nothing(caplog):
