@@ -383,13 +383,22 @@ class CPUTensorBytes:
         self._ext.reset_run()
         self.on = True
 
-    def mark(self, name: str):
-        """A context manager: a named range whose own peak and end value ``stop()`` reports."""
+    def mark(self, name: str, list_peak: bool = False):
+        """A context manager: a named range whose own peak and end value ``stop()`` reports.
+
+        ``list_peak=True``: also the tensors of 1 MiB or more alive at this range's own peak
+        (``alive_at_peak``: ``(bytes, where it was made, made on another thread)``, largest first;
+        where: the name of the range it was allocated in, or ``"earlier"``). The run's peak starts
+        again at the range's start (``stop()``'s ``peak_in`` then looks from there on), so use it on
+        one range a process, the one whose peak a bench reports: what runs after it (a bench
+        replaying the step's collectives to time them) does not take the listing over."""
         @contextlib.contextmanager
         def measured():
             if not self.on:
                 yield
                 return
+            if list_peak:
+                self._ext.reset_run()
             window = self._ext.open_window()
             first = self._ext.counters()[2] + 1
             try:
@@ -398,7 +407,17 @@ class CPUTensorBytes:
                 _, window_peak, live, _, allocations = self._ext.close_window(window)
                 self._marks[name] = {"peak_bytes": window_peak, "end_bytes": live,
                                      "allocations": (first, allocations)}
+                if list_peak:
+                    self._marks[name]["alive_at_peak"] = sorted(
+                        ((b, self._made_in(number), bool(elsewhere))
+                         for b, number, elsewhere in self._ext.listed_at_run_peak()), reverse=True)
         return measured()
+
+    def _made_in(self, allocation: int) -> str:
+        """The innermost closed range whose allocations include this one, else ``"earlier"``."""
+        within = [(m["allocations"][1] - m["allocations"][0], name) for name, m in self._marks.items()
+                  if m["allocations"][0] <= allocation <= m["allocations"][1]]
+        return min(within)[1] if within else "earlier"
 
     def so_far(self) -> dict:
         """``live_bytes`` and ``peak_bytes`` (since ``start()``) now, on any thread; counting goes on."""
@@ -416,8 +435,8 @@ class CPUTensorBytes:
         peak_in = next((name for name, m in self._marks.items()
                         if m["allocations"][0] <= run_peak_at <= m["allocations"][1]), None)
         since = self._marks[peak_in]["allocations"][0] if peak_in else 0
-        alive = sorted((b for b, number in self._ext.listed_at_run_peak() if number >= since), reverse=True)
+        alive = sorted((b for b, number, _ in self._ext.listed_at_run_peak() if number >= since), reverse=True)
         return {"peak_bytes": run_peak, "end_bytes": live, "allocations": allocations, "peak_in": peak_in,
                 "alive_at_peak": alive,
-                "marks": {k: {"peak_bytes": m["peak_bytes"], "end_bytes": m["end_bytes"]}
+                "marks": {k: {key: m[key] for key in ("peak_bytes", "end_bytes", "alive_at_peak") if key in m}
                           for k, m in self._marks.items()}}

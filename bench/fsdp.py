@@ -245,7 +245,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     resident = tensor_bytes(local(p) for p in model.parameters())
     data = batches(args, rank, world)
     times = []
-    with live.mark(f"{variant}/train"):
+    with live.mark(f"{variant}/train", list_peak=True):
         opt = make_optimizer(args.optimizer, model.parameters())
         if variant == "fsdp2-hooks":
             opt = in_backward_hooks(args.optimizer, model)
@@ -354,8 +354,7 @@ def rank_main(args) -> None:
         first, later = marks[f"{variant}/first step"], marks[f"{variant}/later steps"]
         # where the run's peak fell (the first step compiles; the later steps are the steady state)
         result.update(first_step_peak_bytes=first["peak_bytes"] - left, later_steps_peak_bytes=later["peak_bytes"] - left,
-                      peak_in=stopped["peak_in"] if len(args.variants) == 1 else None,
-                      alive_at_peak=stopped["alive_at_peak"][:12] if len(args.variants) == 1 else None)
+                      alive_at_peak=marks[f"{variant}/train"]["alive_at_peak"][:16])
         result.update(peak_bytes=train["peak_bytes"] - left, build_peak_bytes=build["peak_bytes"] - left,
                       left_by_earlier_variants_bytes=left, rss_start_bytes=rss_start, rss_peak_bytes=rss_peak,
                       variants_in_process=len(args.variants))
@@ -480,9 +479,9 @@ def main() -> None:
     for s in summaries:
         for v in args.variants:
             worst = max(s["ranks"], key=lambda r: r[v]["peak_bytes"])[v]
-            where = (f"; the run's peak fell in '{worst['peak_in']}', tensors of 1 MiB or more made there alive at "
-                     f"it: {', '.join(f'{b / 2**20:.1f}' for b in worst['alive_at_peak'])} MiB"
-                     if worst.get("peak_in") else "")
+            where = ("; tensors of 1 MiB or more alive at it (MiB, where each was made; * on another thread, "
+                     "gloo's workers): " + ", ".join(f"{b / 2**20:.1f} ({made}){'*' if elsewhere else ''}"
+                                                     for b, made, elsewhere in worst["alive_at_peak"]))
             print(f"ranks {s['world']}: {v}: worst rank's peak {worst['peak_bytes'] / 2**20:.1f} MiB: in its first "
                   f"step {worst['first_step_peak_bytes'] / 2**20:.1f}, in the later steps "
                   f"{worst['later_steps_peak_bytes'] / 2**20:.1f}{where}")

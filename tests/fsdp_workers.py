@@ -267,8 +267,18 @@ def lookups_materialized(rank, world, workdir):
 
 
 def first_reader_hoisted(rank, world, workdir):
-    """The same for the bias-free head's input gradient read before its weight gradient is made, or not."""
-    return _trained_with_switch_on_and_off(rank, world, "HOIST_FIRST_READER", _HeadModel, "moved up")
+    """The same for the bias-free head's input gradient read before its weight gradient is made, or not
+    (the head gathered again for backward, as the clip's second backward does: forward's copy would
+    serve the first backward otherwise)."""
+    return _trained_with_switch_on_and_off(rank, world, "HOIST_FIRST_READER", _HeadModel, "moved up",
+                                           KEEP_GATHER_INTO_ADJACENT_BACKWARD=False)
+
+
+def head_kept_from_forward(rank, world, workdir):
+    """The same for the head, forward's last unit and backward's first, kept from forward into
+    backward or gathered again."""
+    return _trained_with_switch_on_and_off(rank, world, "KEEP_GATHER_INTO_ADJACENT_BACKWARD", _HeadModel,
+                                           "kept from forward into backward")
 
 
 def reshard_graph_diff_head(rank, world, workdir):
@@ -282,14 +292,15 @@ def reshard_graph_diff_head(rank, world, workdir):
     def cross_entropy(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    optpass.explain(make_step(model, opt, cross_entropy), mine(tokens[:, :-1], rank, world),
-                    mine(tokens[:, 1:], rank, world),
-                    options={"optimizer": opt, "data_parallel": "fsdp", "passes": ["reshard_after_forward"]})
+    with reshard_settings(KEEP_GATHER_INTO_ADJACENT_BACKWARD=False):    # regathered, as in the clip's second backward
+        optpass.explain(make_step(model, opt, cross_entropy), mine(tokens[:, :-1], rank, world),
+                        mine(tokens[:, 1:], rank, world),
+                        options={"optimizer": opt, "data_parallel": "fsdp", "passes": ["reshard_after_forward"]})
     report = _last_step_report()
     return {"diff": optpass.graph_diff(report.graph_before, report.graph_after, shapes=False, context=1)}
 
 
-def _trained_with_switch_on_and_off(rank, world, switch, model_class, note_words):
+def _trained_with_switch_on_and_off(rank, world, switch, model_class, note_words, **other_switches):
     torch.set_default_dtype(torch.float64)
 
     def cross_entropy(logits, y):
@@ -297,7 +308,7 @@ def _trained_with_switch_on_and_off(rank, world, switch, model_class, note_words
 
     results = {}
     for on in (True, False):
-        with reshard_settings(**{switch: on}):
+        with reshard_settings(**{switch: on}, **other_switches):
             torch._dynamo.reset()
             optpass.report.clear_reports()
             torch.manual_seed(0)

@@ -205,6 +205,28 @@ class TestTagsAndOverlap(unittest.TestCase):
         self.assertEqual(estimate.peak_bytes, 2 * 256)          # the gathered buffer and relu's
         self.assertEqual([nbytes for _, nbytes in estimate.timeline], [0, 256, 256, 512, 256])
 
+    def test_a_collectives_input_can_be_held_until_its_wait(self):
+        """A reduce-scatter's work holds its input (the whole gradient) until it completes: with
+        ``collective_inputs_until_wait`` the input lives to the wait, not to the start."""
+        c10d = torch.ops._c10d_functional
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["val"] = torch.empty(8, 8)
+        gradient = graph.call_function(aten.relu.default, (x,))
+        gradient.meta["val"] = torch.empty(8, 8)
+        reduced = graph.call_function(c10d.reduce_scatter_tensor.default, (gradient, "sum", 2, "0"))
+        reduced.meta["val"] = torch.empty(4, 8)
+        other = graph.call_function(aten.relu.default, (x,))           # backward goes on meanwhile
+        other.meta["val"] = torch.empty(8, 8)
+        waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        waited.meta["val"] = torch.empty(4, 8)
+        graph.output((waited, other))
+        as_ops = estimate_peak_memory(graph, count_inputs=False)
+        held = estimate_peak_memory(graph, count_inputs=False, collective_inputs_until_wait=True)
+        self.assertEqual([nbytes for _, nbytes in as_ops.timeline], [0, 256, 384, 384, 384, 384])
+        self.assertEqual([nbytes for _, nbytes in held.timeline], [0, 256, 384, 640, 640, 384])
+        self.assertEqual((held.peak_bytes, held.peak_node), (640, other.name))
+
     def test_empty_graph(self):
         self.assertEqual(estimate_peak_memory(torch.fx.Graph()), MemoryEstimate(0, "", [], [], {}))
 

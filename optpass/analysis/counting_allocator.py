@@ -15,7 +15,8 @@ the size. Each allocation adds its bytes to a running total and its deleter take
 whatever thread the tensor dies, under a mutex. Every open measurement window keeps the highest
 total seen since it opened. Allocations still report to torch.profiler (``profile_memory=True``
 keeps working for the threads it sees). Tensors of at least 1 MiB are listed, so that a run's peak
-can say which large tensors were alive at it (the benches use this).
+can say which large tensors were alive at it and whether each was made on the thread that installed
+the allocator or on another (a collective's buffers, made on gloo's worker threads): the benches use this.
 
 It is compiled from the C++ below with ``torch.utils.cpp_extension.load_inline`` the first time it
 is needed (a C++ compiler and ninja; about 20 s, then cached by torch in ``TORCH_EXTENSIONS_DIR``).
@@ -36,6 +37,8 @@ _SOURCE = r"""
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <tuple>
 #include <unordered_map>
 
 namespace {
@@ -49,8 +52,10 @@ struct CountingCPUAllocator final : c10::Allocator {
   std::mutex mutex;
   int64_t live = 0, events = 0, allocations = 0, run_peak = 0, run_peak_at = 0, next_window = 0;
   std::map<int64_t, Window> windows;                                // open measurement windows
-  std::unordered_map<void*, std::pair<int64_t, int64_t>> listed;    // data -> (bytes, allocation number)
-  std::vector<std::pair<int64_t, int64_t>> listed_at_run_peak;
+  std::thread::id installing_thread;                                // the thread that installed it (the main one)
+  // data -> (bytes, allocation number, made on another thread than the installing one: gloo's workers)
+  std::unordered_map<void*, std::tuple<int64_t, int64_t, int64_t>> listed;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> listed_at_run_peak;
 
   static CountingCPUAllocator& instance() {
     static auto* allocator = new CountingCPUAllocator();   // never destroyed: tensors may outlive main()
@@ -85,7 +90,8 @@ struct CountingCPUAllocator final : c10::Allocator {
       ++events;
       ++allocations;
       live_now = live;
-      if (bytes >= kListed) listed[data] = {bytes, allocations};
+      if (bytes >= kListed)
+        listed[data] = {bytes, allocations, std::this_thread::get_id() != installing_thread ? 1 : 0};
       for (auto& entry : windows) entry.second.peak = std::max(entry.second.peak, live);
       if (live > run_peak) {
         run_peak = live;
@@ -107,6 +113,7 @@ struct CountingCPUAllocator final : c10::Allocator {
 bool install() {
   auto& a = CountingCPUAllocator::instance();
   if (!a.installed) {
+    a.installing_thread = std::this_thread::get_id();
     c10::SetCPUAllocator(&a, /*priority=*/100);
     a.installed = true;
   }
@@ -141,12 +148,13 @@ void reset_run() {   // the run's peak from now on
   a.run_peak_at = a.allocations;
   a.listed_at_run_peak.clear();
 }
-// (bytes, allocation number) of every listed tensor alive when the run's peak was set
+// (bytes, allocation number, made on another thread) of every listed tensor alive when the run's peak was set
 std::vector<std::vector<int64_t>> listed_at_run_peak() {
   auto& a = CountingCPUAllocator::instance();
   std::lock_guard<std::mutex> guard(a.mutex);
   std::vector<std::vector<int64_t>> out;
-  for (const auto& entry : a.listed_at_run_peak) out.push_back({entry.first, entry.second});
+  for (const auto& entry : a.listed_at_run_peak)
+    out.push_back({std::get<0>(entry), std::get<1>(entry), std::get<2>(entry)});
   return out;
 }
 """

@@ -128,6 +128,7 @@ def estimate_peak_memory(
     *,
     count_inputs: bool = True,
     tag: Tagger | None = None,
+    collective_inputs_until_wait: bool = False,
 ) -> MemoryEstimate:
     """Liveness-based peak of the bytes the graph holds; see the module docstring.
 
@@ -140,6 +141,9 @@ def estimate_peak_memory(
             False weighs them, and anything aliasing them, as nothing.
         tag: a function from a node to a tag (or None) for the buffers it allocates; the estimate
             sums the bytes live at the peak per tag. None: no tags.
+        collective_inputs_until_wait: a functional collective's inputs stay alive until its
+            ``wait_tensor`` (the collective's work holds them until it completes, on every backend:
+            a reduce-scatter's whole gradient lives until its wait, not until its start).
 
     Returns:
         A ``MemoryEstimate``: the peak, the node where it is reached, the buffers live there, and
@@ -162,10 +166,11 @@ def estimate_peak_memory(
     # A node's value keeps every buffer it refers to alive until the node's last
     # user; going by node first keeps this linear for wide multi-output nodes.
     position = {node: index for index, node in enumerate(nodes)}
+    held_until = _collective_waits(nodes, position) if collective_inputs_until_wait else {}
     for node, value in values.items():
         if not node.users:
             continue
-        last_user = max(position[user] for user in node.users)
+        last_user = max(held_until.get(user, position[user]) for user in node.users)
         for buffer_id in value.refs:
             buffer = buffers.all[buffer_id]
             buffer.freed_after = max(buffer.freed_after, last_user)
@@ -197,6 +202,21 @@ def estimate_peak_memory(
         timeline=timeline,
         bytes_by_tag_at_peak=by_tag,
     )
+
+
+def _collective_waits(nodes: list[torch.fx.Node], position: dict) -> dict[torch.fx.Node, int]:
+    """Each functional collective start -> the position of its last ``wait_tensor`` (through the
+    getitems of a coalesced one), where it is later than the start."""
+    held = {}
+    for node in nodes:
+        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
+                or node.target.namespace != "_c10d_functional" or node.target._schema.name in _RETURNS_ITS_INPUT):
+            continue
+        results = [node] + [u for u in node.users if u.target is operator.getitem]
+        waits = [position[w] for r in results for w in r.users if w.target is torch.ops._c10d_functional.wait_tensor.default]
+        if waits and max(waits) > position[node]:
+            held[node] = max(waits)
+    return held
 
 
 # --- buffers and the values that refer to them -------------------------------

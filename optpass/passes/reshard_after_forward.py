@@ -29,6 +29,18 @@ reduce-scatter starts, with what reads its result (the division by the ranks, th
 in backward): the gradient is reduced while backward makes the next one, where a wait right after
 its start stalled backward on every gradient (on a 4-layer Llama, 2 gloo ranks, two runs back to
 back: 999 -> 756 ms a step blocked in waits, step time -5%, the same peak; ``bench/fsdp.py``; docs/design.md §55).
+A reduce-scatter still in flight at the graph's estimated peak (``WAIT_REDUCTIONS_BEFORE_GATHERS_AT_THE_PEAK``;
+the estimate holds a collective's input alive until its wait) where a parameter's all-gather started
+after it is waited for just before that gather instead: its input, the whole gradient, is freed
+before the gathered parameter arrives (the norm pass's last gradient under clipping in backward, the
+embedding's, was being reduced while the second backward gathered the head, both vocabulary-sized;
+on gloo each collective also holds a scratch buffer of its size while it runs).
+A parameter read by forward's last unit and by backward's first, with no other unit's parameter gathered
+in between (``KEEP_GATHER_INTO_ADJACENT_BACKWARD``: a language model's head, an MLP's last layer),
+is not gathered again for that first backward: forward's copy serves it, as FSDP2 keeps its root
+unit's parameters from forward into backward; a regather would bring the same bytes back right
+after they died, and a prefetched one arrived while forward's copy was still alive (the head twice
+at the step's peak). A later backward (the clip's second pass) still gathers its own.
 Backward's first read of each regathered parameter moves up to just after its other inputs
 (``HOIST_FIRST_READER``): backward may make a weight's gradient before its input's gradient from
 the same output gradient (a bias-free head's does), and the parameter gathered again for the input
@@ -92,6 +104,12 @@ KEEP_PREFETCH_OFF_THE_PEAK: bool = True
 # Whether each reduce-scatter's wait (and what reads its result: the shard's update in backward)
 # moves down to just before the next reduce-scatter starts (``_defer_reduce_scatter_waits``).
 DEFER_REDUCE_SCATTER_WAITS: bool = True
+# Whether a parameter read by forward's last unit and backward's first (a language model's head) keeps
+# forward's gather for that first backward instead of being gathered again (``_adjacent``).
+KEEP_GATHER_INTO_ADJACENT_BACKWARD: bool = True
+# Whether a reduce-scatter still in flight at the estimated peak, where a parameter's all-gather
+# started after it, is waited for just before that gather starts (``_wait_reductions_before_gathers``).
+WAIT_REDUCTIONS_BEFORE_GATHERS_AT_THE_PEAK: bool = True
 
 
 def settings(captured=None) -> tuple:
@@ -102,7 +120,8 @@ def settings(captured=None) -> tuple:
                          if p.tensor is not None and (spec := shard_spec(p.tensor)) is not None
                          and spec.unit is not None)
     return (COALESCE_UNITS, PREFETCH, MATERIALIZE_LOOKUPS, HOIST_FIRST_READER, DEFER_REDUCE_SCATTER_WAITS,
-            KEEP_PREFETCH_OFF_THE_PEAK, tuple(named_units))
+            KEEP_PREFETCH_OFF_THE_PEAK, WAIT_REDUCTIONS_BEFORE_GATHERS_AT_THE_PEAK, KEEP_GATHER_INTO_ADJACENT_BACKWARD,
+            tuple(named_units))
 
 
 def run(step: StepGraph, options) -> str | None:
@@ -112,12 +131,15 @@ def run(step: StepGraph, options) -> str | None:
     if not gathers:
         return "the step gathers no parameter sharded by optpass.fully_shard"
     order = {node: i for i, node in enumerate(step.graph.nodes)}
-    regathered, hoisted = [], []
+    regathered, hoisted, kept_across = [], [], []
+    unit_gathered = {start: unit_of(name, spec) for start, name, spec in gathers}
     for start, name, spec in gathers:
         if not spec.reshard_after_forward:
             continue
-        for copy in _regather_for_backward(step, start, order, hoisted.append, name) or ():
+        for copy in _regather_for_backward(step, start, order, hoisted.append, name, unit_gathered,
+                                           kept_across.append) or ():
             regathered.append((copy, name))
+            unit_gathered[copy] = unit_gathered[start]
         order = {node: i for i, node in enumerate(step.graph.nodes)}   # a reader may have moved up
     looked_up = (_materialize_lookups(step, gathers, order)
                  if options.lower == "inductor" and MATERIALIZE_LOOKUPS else [])
@@ -133,6 +155,8 @@ def run(step: StepGraph, options) -> str | None:
             _keep_prefetches_off_the_peak(step, prefetched)
     if DEFER_REDUCE_SCATTER_WAITS:
         _defer_reduce_scatter_waits(step)
+    waited_early = (_wait_reductions_before_gathers(step, set(forward_units) | set(backward_units))
+                    if WAIT_REDUCTIONS_BEFORE_GATHERS_AT_THE_PEAK else [])
     kept = [name for _, name, spec in gathers if not spec.reshard_after_forward]
     reduced = sum(1 for n in step.graph.nodes if n.target is _c10d.reduce_scatter_tensor.default)
     per = (f"one per unit: {_names(forward_units.values())}" if coalesce else
@@ -153,6 +177,13 @@ def run(step: StepGraph, options) -> str | None:
         step.notes.append(f"rows looked up in a gathered parameter made a buffer of their own (Inductor would "
                           f"look them up again in every later kernel that reads them, keeping the whole "
                           f"parameter alive through backward): {_names(looked_up)}")
+    if kept_across:
+        step.notes.append(f"kept from forward into backward, which reads it next with no other parameter "
+                          f"gathered in between (no regather): {_names(kept_across)}")
+    if waited_early:
+        step.notes.append(f"reduce-scatter(s) in flight at the step's estimated peak waited for before the "
+                          f"all-gather that started after them, so the whole gradient each holds is freed "
+                          f"before the gathered parameter arrives: {_names(waited_early)}")
     if kept:
         step.notes.append(f"kept from forward to backward (reshard_after_forward=False): {_names(kept)}")
     step.notes.append(f"reduce-scattered onto this rank's shard as each gradient is final in backward: "
@@ -287,8 +318,8 @@ def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
-def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, hoisted, name: str
-                           ) -> list[torch.fx.Node] | None:
+def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, hoisted, name: str,
+                           unit_gathered: dict | None = None, kept_across=None) -> list[torch.fx.Node] | None:
     wait = _first_wait(start, order)
     if wait is None:
         return None
@@ -307,6 +338,10 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
         if not mine:
             continue
         first = min((user for _, user in mine), key=lambda n: order[n])
+        if KEEP_GATHER_INTO_ADJACENT_BACKWARD and not starts and kept_across is not None and \
+                _adjacent(start, chain, first, order, unit_gathered or {}, step):
+            kept_across(name)           # backward's first reads use forward's copy: no regather
+            continue
         if HOIST_FIRST_READER and _hoist(first, members, step):
             hoisted(name)
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -326,6 +361,26 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
         if is_view(node) and not node.users:
             step.graph.erase_node(node)
     return starts
+
+
+def _adjacent(start: torch.fx.Node, chain: list, first_backward_reader: torch.fx.Node, order: dict,
+              unit_gathered: dict, step: StepGraph) -> bool:
+    """Whether no other unit's parameter is gathered (``unit_gathered``: each parameter gather and
+    its unit) between forward's last read of this gather and backward's first read of it (a Float8
+    Linear's bias, gathered after its weight's GEMM, is of the same unit): the last unit of forward
+    is the first of backward (a language
+    model's head), so a regather would bring the same parameter back right after it died, and one
+    prefetched would arrive while forward's copy is still alive (two copies of the head at the
+    step's peak, measured on a Llama on dp 2 x tp 2). FSDP2 keeps its root unit's parameters
+    gathered from forward into backward for the same reason."""
+    members = set(chain)
+    forward_reads = [order[user] for node in chain for user in node.users
+                     if user not in members and step.region_of(user) != BACKWARD]
+    if not forward_reads:
+        return False
+    last_forward, first, unit = max(forward_reads), order[first_backward_reader], unit_gathered.get(start)
+    return not any(last_forward < order[other] < first for other, other_unit in unit_gathered.items()
+                   if other_unit != unit and other in order)
 
 
 def _hoist(reader: torch.fx.Node, gathered: set, step: StepGraph) -> bool:
@@ -507,6 +562,47 @@ def _defer_reduce_scatter_waits(step: StepGraph) -> None:
                     frontier.append(user)
         for node in sorted(moved, key=order.__getitem__):
             following.prepend(node)
+
+
+def _wait_reductions_before_gathers(step: StepGraph, gathers: set, rounds: int = 32) -> list[str]:
+    """Where the graph's estimated peak (liveness, a collective's input held until its wait) falls
+    while a reduce-scatter is in flight and a parameter's all-gather started after it, the
+    reduce-scatter's wait moves up to just before that all-gather starts.
+
+    A reduce-scatter's input is the whole gradient, held by the collective until it completes; a
+    deferred wait (``_defer_reduce_scatter_waits``) keeps it so while backward goes on, and a
+    gather prefetched meanwhile brings a whole parameter beside it (on gloo, each also with a
+    scratch buffer of its full size while it runs). Measured on a Llama's step on dp 2 x tp 2 with
+    clipping in backward: the norm pass's last gradient, the embedding's, was being reduced when
+    the second backward gathered the head, both vocabulary-sized, at the step's peak. Waiting
+    earlier only shortens the input's life (what reads the result stays where it was), so no point
+    of the timeline rises; the cost is that backward waits for that one reduction there. Returns
+    the reduce-scatters waited for earlier."""
+    from optpass.analysis.memory import estimate_peak_memory
+
+    moved = []
+    for _ in range(rounds):
+        nodes = list(step.graph.nodes)
+        order = {node: i for i, node in enumerate(nodes)}
+        estimate = estimate_peak_memory(step.graph, collective_inputs_until_wait=True)
+        peak = next((n for n in nodes if n.name == estimate.peak_node), None)
+        if peak is None:
+            break
+        changed = False
+        for start in nodes[:order[peak]]:
+            if start.target is not _c10d.reduce_scatter_tensor.default:
+                continue
+            waits = [u for u in start.users if u.target is _c10d.wait_tensor.default]
+            if len(waits) != 1 or order[waits[0]] <= order[peak]:
+                continue
+            gather = next((n for n in nodes[order[start] + 1:order[peak] + 1] if n in gathers), None)
+            if gather is not None:
+                gather.prepend(waits[0])
+                moved.append(start.name)
+                changed = True
+        if not changed:
+            break
+    return moved
 
 
 def _names(names, most: int = 8) -> str:
