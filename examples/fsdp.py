@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -115,7 +115,8 @@ for v in variants:
 # The step graph before and after the passes (rank 0). For each Linear weight the
 # forward reads an all-gather of the shards (`all_gather_into_tensor` + `wait_tensor` +
 # a slice and a view); `reshard_after_forward` adds a second gather just before backward
-# reads the weight, so the forward's copy dies after its last forward use. Each gather starts
+# reads the weight, so the forward's copy dies after its last forward use (not for the last
+# Linear: backward reads it right after forward does, so forward's copy serves it). Each gather starts
 # before the previous one's wait (prefetch: the next travels while this one is used). On gloo
 # (here) every collective names the group's twin with one worker thread, `'0/optpass-one-thread'`:
 # gloo's two threads corrupt a rank's heap when they run two collectives at once (docs/design.md

@@ -178,7 +178,7 @@ def run(step: StepGraph, options) -> str | None:
                           f"look them up again in every later kernel that reads them, keeping the whole "
                           f"parameter alive through backward): {_names(looked_up)}")
     if kept_across:
-        step.notes.append(f"kept from forward into backward, which reads it next with no other parameter "
+        step.notes.append(f"kept from forward into backward, which reads it next with no other unit's parameter "
                           f"gathered in between (no regather): {_names(kept_across)}")
     if waited_early:
         step.notes.append(f"reduce-scatter(s) in flight at the step's estimated peak waited for before the "
