@@ -262,7 +262,8 @@ def check_fully_sharded(captured, options) -> None:
     if replaced:
         raise OptpassError(
             f"data_parallel='fsdp': the optimizer holds the full parameters that optpass.fully_shard replaced "
-            f"({', '.join(replaced[:3])}): it was built before fully_shard, and nothing would update them. Build "
+            f"({', '.join(replaced[:3])}{f' and {len(replaced) - 3} more' if len(replaced) > 3 else ''}): it was "
+            f"built before fully_shard, and nothing would update them. Build "
             "the optimizer after optpass.fully_shard(model): opt = torch.optim.AdamW(model.parameters(), ...).")
     foreign = [tuple(p.shape) for p in params if shard_spec(p) is None]
     if foreign:

@@ -164,7 +164,7 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_three(two, three):
 
 @pytest.mark.parametrize("program, kind, what", [
     ("not_fully_sharded", "OptpassError", "on a model that was not passed to optpass.fully_shard"),
-    ("optimizer_before_fully_shard", "OptpassError", "it was built before fully_shard"),
+    ("optimizer_before_fully_shard", "OptpassError", "(0.weight, 0.bias, 2.weight and 5 more): it was built before fully_shard"),
     ("fully_sharded_without_the_option", "OptpassError", "'data_parallel': 'fsdp'"),
     ("clip_grad_norm_in_the_step", "OptpassError", "fsdp_workers.py"),
     ("options_differ", "RanksDisagree", "option optimizer_in_backward is True on rank 0 but False on rank 1"),

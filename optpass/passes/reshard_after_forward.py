@@ -332,15 +332,17 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
     # A norm-only first backward (clip_grad_norm, grad_scaler in backward) reads the parameter in
     # a backward of its own: it gets a gather of its own, so none lives from one backward to the next.
     first_pass = set(getattr(step.context.get(FIRST_BACKWARD), "copies", {}).values())
-    starts = []
+    starts, earliest = [], True
     for cluster in (True, False):
         mine = {(node, user) for node, user in readers if (user in first_pass) is cluster}
         if not mine:
             continue
         first = min((user for _, user in mine), key=lambda n: order[n])
-        if KEEP_GATHER_INTO_ADJACENT_BACKWARD and not starts and kept_across is not None and \
-                _adjacent(start, chain, first, order, unit_gathered or {}, step):
-            kept_across(name)           # backward's first reads use forward's copy: no regather
+        keep = (KEEP_GATHER_INTO_ADJACENT_BACKWARD and earliest and kept_across is not None
+                and _adjacent(start, chain, first, order, unit_gathered or {}, step))
+        earliest = False                # only the backward that reads it first can follow forward
+        if keep:
+            kept_across(name)           # that backward's reads use forward's copy: no regather
             continue
         if HOIST_FIRST_READER and _hoist(first, members, step):
             hoisted(name)
@@ -367,12 +369,11 @@ def _adjacent(start: torch.fx.Node, chain: list, first_backward_reader: torch.fx
               unit_gathered: dict, step: StepGraph) -> bool:
     """Whether no other unit's parameter is gathered (``unit_gathered``: each parameter gather and
     its unit) between forward's last read of this gather and backward's first read of it (a Float8
-    Linear's bias, gathered after its weight's GEMM, is of the same unit): the last unit of forward
-    is the first of backward (a language
-    model's head), so a regather would bring the same parameter back right after it died, and one
-    prefetched would arrive while forward's copy is still alive (two copies of the head at the
-    step's peak, measured on a Llama on dp 2 x tp 2). FSDP2 keeps its root unit's parameters
-    gathered from forward into backward for the same reason."""
+    Linear's bias, gathered after its weight's GEMM, is of the same unit). Then the last unit of
+    forward is the first of backward (a language model's head): a regather would bring the same
+    parameter back right after it died, and a prefetched one would arrive while forward's copy is
+    still alive (two copies of the head at the step's peak, measured on a Llama on dp 2 x tp 2).
+    FSDP2 keeps its root unit's parameters gathered from forward into backward for the same reason."""
     members = set(chain)
     forward_reads = [order[user] for node in chain for user in node.users
                      if user not in members and step.region_of(user) != BACKWARD]
