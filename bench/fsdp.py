@@ -196,6 +196,28 @@ def collectives_alone(collectives: list[tuple], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def tensor_parallel(model, tp: int, world: int):
+    """With ``tp`` > 1 (2-D): torchtitan's plan on ``mesh["tp"]`` of a ``(world / tp, tp)`` mesh, and
+    ``mesh["dp"]`` returned to shard over; else None (the default group)."""
+    if tp == 1:
+        return None
+    import optpass
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    optpass.plans.hugging_face_llama(model, mesh["tp"])
+    return mesh["dp"]
+
+
+def optpass_fully_shard(model, units, dp_mesh) -> None:
+    """FSDP2's calls with ``optpass.fully_shard``: every unit, then the root."""
+    import optpass
+
+    for unit in units:
+        optpass.fully_shard(unit, mesh=dp_mesh)
+    optpass.fully_shard(model, mesh=dp_mesh)
+
+
 def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
     import torch
     import torch.distributed as dist
@@ -220,13 +242,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
                 units = [m for m in model if isinstance(m, torch.nn.Linear)]
         full_params = sum(p.numel() for p in model.parameters())
         unit_bytes = max(tensor_bytes(u.parameters()) for u in units)
-        dp_mesh = None
-        if args.tp > 1:                             # 2-D: the plan on mesh["tp"], sharding over mesh["dp"]
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh_2d = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-            optpass.plans.hugging_face_llama(model, mesh_2d["tp"])
-            dp_mesh = mesh_2d["dp"]
+        dp_mesh = tensor_parallel(model, args.tp, world)
         if variant.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -238,9 +254,7 @@ def run_variant(variant: str, args, rank: int, world: int, live) -> dict:
                 fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
         elif variant.startswith("optpass-fsdp"):
-            for unit in units:                      # FSDP2's calls: every unit, then the root
-                optpass.fully_shard(unit, mesh=dp_mesh)
-            optpass.fully_shard(model, mesh=dp_mesh)
+            optpass_fully_shard(model, units, dp_mesh)
         gc.collect()
     resident = tensor_bytes(local(p) for p in model.parameters())
     data = batches(args, rank, world)

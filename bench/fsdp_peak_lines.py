@@ -45,9 +45,9 @@ def main() -> None:
     from optpass.analysis.counting_allocator import counting_allocator
 
     allocator = counting_allocator()          # installed before the model is built: every tensor counted
-    import optpass
+    import optpass  # noqa: F401  (registers backend="optpass")
     from _measure import training_step
-    from fsdp import batches, build, loss_fn, make_optimizer
+    from fsdp import batches, build, loss_fn, make_optimizer, optpass_fully_shard, tensor_parallel
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,16 +55,7 @@ def main() -> None:
     settings = argparse.Namespace(model="llama", width=args.width, depth=args.depth, batch=1, seq=args.seq,
                                   vocab=args.vocab, tp=args.tp, clip=args.clip)
     model, units = build(settings)
-    dp_mesh = None
-    if args.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-        optpass.plans.hugging_face_llama(model, mesh["tp"])
-        dp_mesh = mesh["dp"]
-    for unit in units:
-        optpass.fully_shard(unit, mesh=dp_mesh)
-    optpass.fully_shard(model, mesh=dp_mesh)
+    optpass_fully_shard(model, units, tensor_parallel(model, args.tp, world))
     opt = make_optimizer("adamw", model.parameters())
     options = {"optimizer": opt, "data_parallel": "fsdp", "optimizer_in_backward": True}
     if args.clip:

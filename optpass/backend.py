@@ -23,7 +23,7 @@ from optpass.capture import (CapturedGraph, GraphKind, capture, enable_backward_
 from optpass.dp_model_checks import refuse_batch_norm_in_vmaps, warn_frozen_parameters_differentiated
 from optpass.dpsgd import note_an_empty_vmap
 from optpass.dynamo_scope import keep_compile_end_callback, mark_optpass_backend
-from optpass.errors import OptpassError, warn_at_user_line
+from optpass.errors import OptpassError, name_list, warn_at_user_line
 from optpass.fsdp.materialize import finish_all as finish_initialization_of
 from optpass.fsdp.shard import adopt_optimizer, optimizer_group, replaced_name, shard_spec
 from optpass.legality import (check_every_update_is_handled, check_tensor_parallel, check_fsdp, check_grad_scaler,
@@ -262,8 +262,7 @@ def check_fully_sharded(captured, options) -> None:
     if replaced:
         raise OptpassError(
             f"data_parallel='fsdp': the optimizer holds the full parameters that optpass.fully_shard replaced "
-            f"({', '.join(replaced[:3])}{f' and {len(replaced) - 3} more' if len(replaced) > 3 else ''}): it was "
-            f"built before fully_shard, and nothing would update them. Build "
+            f"({name_list(replaced, 3)}): it was built before fully_shard, and nothing would update them. Build "
             "the optimizer after optpass.fully_shard(model): opt = torch.optim.AdamW(model.parameters(), ...).")
     foreign = [tuple(p.shape) for p in params if shard_spec(p) is None]
     if foreign:

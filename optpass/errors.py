@@ -24,6 +24,13 @@ _OPTPASS_DIR = os.path.dirname(__file__)
 _OPTPASS_USER_FILES = {os.path.join(_OPTPASS_DIR, "demo", "__main__.py")}
 
 
+def name_list(names: list[str], most: int) -> str:
+    """The first ``most`` names, comma-separated, and how many more there are: for messages that
+    name what they refuse without listing a whole model."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 class OptpassError(ShortenTraceback):
     """optpass refused a program or an input; the message says why and what to do.
 

@@ -71,12 +71,14 @@ Refuses: nothing; skips a step that gathers no sharded parameter.
 
 from __future__ import annotations
 
+import bisect
 import operator
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
+from optpass.errors import name_list
 from optpass.fsdp.shard import shard_spec
 from optpass.process_groups import backend_for_device
 from optpass.passes._graph_utils import FIRST_BACKWARD, KEEP_EMITTED_ORDER
@@ -319,7 +321,7 @@ def _chain(wait: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, hoisted, name: str,
-                           unit_gathered: dict | None = None, kept_across=None) -> list[torch.fx.Node] | None:
+                           unit_gathered: dict, kept_across) -> list[torch.fx.Node] | None:
     wait = _first_wait(start, order)
     if wait is None:
         return None
@@ -338,8 +340,8 @@ def _regather_for_backward(step: StepGraph, start: torch.fx.Node, order: dict, h
         if not mine:
             continue
         first = min((user for _, user in mine), key=lambda n: order[n])
-        keep = (KEEP_GATHER_INTO_ADJACENT_BACKWARD and earliest and kept_across is not None
-                and _adjacent(start, chain, first, order, unit_gathered or {}, step))
+        keep = (KEEP_GATHER_INTO_ADJACENT_BACKWARD and earliest
+                and _adjacent(start, chain, first, order, unit_gathered, step))
         earliest = False                # only the backward that reads it first can follow forward
         if keep:
             kept_across(name)           # that backward's reads use forward's copy: no regather
@@ -503,13 +505,8 @@ def _keep_prefetches_off_the_peak(step: StepGraph, prefetched, rounds: int = 64)
     was alive at the step's peak. A peak while the previous unit still computes is what
     prefetching costs, and stays. Starting a gather later only shortens its result's life, so no
     point of the timeline rises; each round lowers the peak by one gather or ends."""
-    from optpass.analysis.memory import estimate_peak_memory
-
     for _ in range(rounds):
-        nodes = list(step.graph.nodes)
-        order = {node: i for i, node in enumerate(nodes)}
-        estimate = estimate_peak_memory(step.graph)
-        peak = next((n for n in nodes if n.name == estimate.peak_node), None)
+        nodes, order, peak = _estimated_peak(step)
         if peak is None:
             return
         in_flight = []
@@ -579,16 +576,12 @@ def _wait_reductions_before_gathers(step: StepGraph, gathers: set, rounds: int =
     earlier only shortens the input's life (what reads the result stays where it was), so no point
     of the timeline rises; the cost is that backward waits for that one reduction there. Returns
     the reduce-scatters waited for earlier."""
-    from optpass.analysis.memory import estimate_peak_memory
-
     moved = []
     for _ in range(rounds):
-        nodes = list(step.graph.nodes)
-        order = {node: i for i, node in enumerate(nodes)}
-        estimate = estimate_peak_memory(step.graph, collective_inputs_until_wait=True)
-        peak = next((n for n in nodes if n.name == estimate.peak_node), None)
+        nodes, order, peak = _estimated_peak(step, collective_inputs_until_wait=True)
         if peak is None:
             break
+        gathered_at = sorted(order[g] for g in gathers if g in order)
         changed = False
         for start in nodes[:order[peak]]:
             if start.target is not _c10d.reduce_scatter_tensor.default:
@@ -596,9 +589,10 @@ def _wait_reductions_before_gathers(step: StepGraph, gathers: set, rounds: int =
             waits = [u for u in start.users if u.target is _c10d.wait_tensor.default]
             if len(waits) != 1 or order[waits[0]] <= order[peak]:
                 continue
-            gather = next((n for n in nodes[order[start] + 1:order[peak] + 1] if n in gathers), None)
-            if gather is not None:
-                gather.prepend(waits[0])
+            # the first parameter gather after the reduce-scatter's start, up to the peak
+            after = bisect.bisect_right(gathered_at, order[start])
+            if after < len(gathered_at) and gathered_at[after] <= order[peak]:
+                nodes[gathered_at[after]].prepend(waits[0])
                 moved.append(start.name)
                 changed = True
         if not changed:
@@ -606,7 +600,16 @@ def _wait_reductions_before_gathers(step: StepGraph, gathers: set, rounds: int =
     return moved
 
 
+def _estimated_peak(step: StepGraph, **estimate_options) -> tuple[list, dict, torch.fx.Node | None]:
+    """The graph's nodes, their positions, and the node where its estimated peak
+    (``estimate_peak_memory`` with ``estimate_options``) is reached (None for an empty graph)."""
+    from optpass.analysis.memory import estimate_peak_memory
+
+    nodes = list(step.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    estimate = estimate_peak_memory(step.graph, **estimate_options)
+    return nodes, order, next((n for n in nodes if n.name == estimate.peak_node), None)
+
+
 def _names(names, most: int = 8) -> str:
-    names = list(dict.fromkeys(names))
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+    return name_list(list(dict.fromkeys(names)), most)

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from optpass.errors import SourceLine, is_user_file
+from optpass.errors import SourceLine, is_user_file, name_list
 
 _ALL = object()                        # a clear whose targets cannot be read: counts as every parameter
 _IN_PLACE_ZEROS = {"zero_"}
@@ -71,7 +71,7 @@ def check_gradients_cleared(step_line: SourceLine | None, feature: str, params: 
     if not missing:
         return
     _WARNED.add((step_line.file, step_line.line))
-    which = "" if len(missing) == len(params) else f" of {_listed(missing)}"
+    which = "" if len(missing) == len(params) else f" of {name_list(missing, 4)}"
     message = (
         f"optpass: {feature}: nothing clears the gradients{which} before every step: not the step "
         f"({step_line.function} at {step_line.file}:{step_line.line}) nor, on every iteration, the loop "
@@ -86,9 +86,6 @@ def check_gradients_cleared(step_line: SourceLine | None, feature: str, params: 
                            module=step_line.function)
 
 
-def _listed(names: list[str], most: int = 4) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _user_frames(frame) -> list:
