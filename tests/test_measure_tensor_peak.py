@@ -46,6 +46,47 @@ def test_a_tensor_made_or_freed_on_another_thread_is_counted_exactly():
     assert measured.peak_bytes == measured.live_at_entry_bytes + 5 * MiB
 
 
+_FIRST_ENTRY = """
+import torch, optpass
+MiB = 1 << 20
+made_before = [torch.randn(MiB) for _ in range(4)]     # 16 MiB, before the allocator is installed
+view = made_before[0][10:]                              # a view of one of them: one storage
+with optpass.measure_tensor_peak() as m:                # the first entry in this process
+    made_before.clear(); del view                       # the 16 MiB die inside the block
+    fresh = torch.randn(2 * MiB)                        # 8 MiB: below what was alive at entry
+    del fresh
+print(m.counted_by, m.growth_bytes, m.end_bytes)
+"""
+
+
+def test_the_first_entry_counts_the_frees_of_tensors_made_before_it():
+    """The allocator is installed at the first entry; what was made before is handed to it then, so the
+    block's frees of it count: the 8 MiB made after 16 MiB died is no growth (it was 8 MiB, a peak
+    above the real one, before a block had ever been entered in the process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_ENTRY], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counted_by, growth, end = out.stdout.split()
+    assert counted_by == "allocator"
+    assert int(growth) == 0
+    assert int(end) == -16 * MiB
+
+
+def test_a_numpy_array_wrapped_before_entry_is_not_adopted():
+    """Memory torch's allocator did not hand out (``torch.from_numpy``) keeps its own deleter: its
+    free inside a block is not counted, as documented (no negative growth from foreign memory)."""
+    import numpy
+
+    with optpass.measure_tensor_peak():
+        pass
+    wrapped = torch.from_numpy(numpy.ones(MiB, dtype="float32"))
+    with optpass.measure_tensor_peak() as measured:
+        del wrapped
+    assert measured.end_bytes == 0
+
+
 def test_a_sparse_tensor_alive_at_entry_is_counted():
     alive = torch.randn(500, 400).to_sparse()                # indices and values: 2 x 8 + 4 bytes per entry
     with optpass.measure_tensor_peak() as with_it:

@@ -22,7 +22,10 @@ It is compiled from the C++ below with ``torch.utils.cpp_extension.load_inline``
 is needed (a C++ compiler and ninja; about 20 s, then cached by torch in ``TORCH_EXTENSIONS_DIR``).
 Once installed it stays installed for the life of the process (tensors it allocated may die any time
 later, and a free it did not see would be a wrong count); memory still comes from glibc as before,
-64 bytes more per tensor. Tensors allocated before it was installed are not counted, nor their frees.
+64 bytes more per tensor. A tensor allocated before it was installed is counted once it is adopted
+(``adopt(tensor)``: its storage's memory is handed to a deleter that takes its bytes off when it dies,
+no copy; ``measure_tensor_peak`` adopts every storage reachable from Python when a block opens);
+until then neither it nor its free is counted.
 """
 
 from __future__ import annotations
@@ -47,8 +50,14 @@ constexpr int64_t kListed = 1 << 20;
 
 struct Window { int64_t start_live, peak, start_events; };
 
+// A tensor's memory allocated before the counting allocator was installed, counted from its adoption
+// on: the storage's DataPtr is swapped for one whose deleter takes its bytes off and then frees it
+// through the original DataPtr (same address: no copy).
+struct Adopted { c10::DataPtr original; int64_t bytes; };
+
 struct CountingCPUAllocator final : c10::Allocator {
   bool installed = false;
+  c10::DeleterFnPtr default_deleter = nullptr;                     // the CPU allocator's before ours
   std::mutex mutex;
   int64_t live = 0, events = 0, allocations = 0, run_peak = 0, run_peak_at = 0, next_window = 0;
   std::map<int64_t, Window> windows;                                // open measurement windows
@@ -103,6 +112,16 @@ struct CountingCPUAllocator final : c10::Allocator {
     c10::reportMemoryUsageToProfiler(data, bytes, live_now, live_now, c10::Device(c10::DeviceType::CPU));
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
+  static void release_adopted(void* context) {
+    auto* adopted = static_cast<Adopted*>(context);
+    auto& a = instance();
+    {
+      std::lock_guard<std::mutex> guard(a.mutex);
+      a.live -= adopted->bytes;
+      ++a.events;
+    }
+    delete adopted;                       // the original DataPtr frees the memory
+  }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -114,10 +133,31 @@ bool install() {
   auto& a = CountingCPUAllocator::instance();
   if (!a.installed) {
     a.installing_thread = std::this_thread::get_id();
+    a.default_deleter = c10::GetCPUAllocator()->raw_deleter();
     c10::SetCPUAllocator(&a, /*priority=*/100);
     a.installed = true;
   }
   return c10::GetCPUAllocator() == &a;
+}
+// Count the memory of `tensor`'s storage from now on, if it was allocated before the allocator was
+// installed, by the CPU allocator then in place (not a NumPy array's, shared memory, a mapped file):
+// true if adopted now.
+bool adopt(const at::Tensor& tensor) {
+  auto& a = CountingCPUAllocator::instance();
+  if (!a.installed || a.default_deleter == nullptr || !tensor.has_storage()) return false;
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const c10::DataPtr& current = storage->data_ptr();
+  if (current.get() == nullptr || current.device().type() != c10::DeviceType::CPU ||
+      current.get_deleter() != a.default_deleter || current.get_context() != current.get())
+    return false;
+  const int64_t bytes = static_cast<int64_t>(storage->nbytes());
+  auto* adopted = new Adopted{c10::DataPtr(), bytes};
+  c10::DataPtr counted(current.get(), adopted, &CountingCPUAllocator::release_adopted, current.device());
+  adopted->original = storage->set_data_ptr(std::move(counted));
+  std::lock_guard<std::mutex> guard(a.mutex);
+  a.live += bytes;
+  ++a.events;
+  return true;
 }
 // live bytes, the run's peak, allocations so far, the allocation that set the run's peak
 std::vector<int64_t> counters() {
@@ -159,7 +199,7 @@ std::vector<std::vector<int64_t>> listed_at_run_peak() {
 }
 """
 
-_FUNCTIONS = ["install", "counters", "open_window", "close_window", "reset_run", "listed_at_run_peak"]
+_FUNCTIONS = ["install", "adopt", "counters", "open_window", "close_window", "reset_run", "listed_at_run_peak"]
 _lock = threading.Lock()
 _built = None                   # the built extension, once built
 _installed = False

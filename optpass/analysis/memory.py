@@ -497,8 +497,10 @@ class measure_tensor_peak:
 
     The allocator is built from C++ the first time (``torch.utils.cpp_extension``: a C++ compiler
     and ninja, about 20 s, then cached) and stays installed for the rest of the process (64 bytes
-    more per CPU tensor); tensors allocated before that are not counted, nor their frees, so install
-    it early (an empty ``with measure_tensor_peak(): pass``) when a block frees what was made before.
+    more per CPU tensor). Each block's entry hands it the tensors allocated before it was installed
+    that Python can reach (no copy), so a block that frees them counts their frees, the first time
+    it is entered as every time after; a tensor only C++ holds (saved by autograd for a backward not
+    yet run) is neither counted at entry nor its free in the block.
     Where it cannot be built, the growth comes from torch.profiler's memory events, which see only
     the calling thread, with a ``MemoryMeasurementWarning``; ``m.counted_by`` says which counted.
     Memory that torch's CPU allocator did not hand out is counted at entry but not in the growth:
@@ -527,7 +529,9 @@ class measure_tensor_peak:
 
         self._allocator = counting_allocator()
         gc.collect()        # garbage in reference cycles (a compile leaves some) is not alive
-        self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes())
+        # tensors made before the allocator was installed are handed to it: their frees count
+        adopt = self._allocator.adopt if self._allocator is not None else None
+        self.result = MeasuredPeak(live_at_entry_bytes=live_cpu_tensor_bytes(adopt))
         if self._allocator is not None:
             self.result.counted_by = "allocator"
             self._window = self._allocator.open_window()
@@ -562,8 +566,9 @@ class measure_tensor_peak:
         self.result.peak_bytes = self.result.live_at_entry_bytes + self.result.growth_bytes
 
 
-def live_cpu_tensor_bytes() -> int:
-    """Bytes of the CPU tensor storages reachable from Python objects now, each storage once."""
+def live_cpu_tensor_bytes(adopt=None) -> int:
+    """Bytes of the CPU tensor storages reachable from Python objects now, each storage once
+    (``adopt``: called with a tensor of each, the counting allocator's ``adopt``)."""
     import gc
     import warnings
 
@@ -584,6 +589,8 @@ def live_cpu_tensor_bytes() -> int:
             except (RuntimeError, NotImplementedError):   # no real storage (a wrapper subclass)
                 continue
             if pointer:
+                if adopt is not None and pointer not in seen:
+                    adopt(part)
                 seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
     return sum(seen.values())
 
