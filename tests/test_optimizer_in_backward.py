@@ -309,6 +309,40 @@ def test_gradient_accumulation_applies_the_update_every_k_micro_steps():
             assert params <= TOL and state <= TOL
 
 
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_clip_grad_norm_with_accumulation_clips_the_windows_summed_gradient(lower):
+    """A fine-tuner's default: accumulation over K micro-steps and clip_grad_norm. The K-th micro-step
+    clips the window's summed gradient by its global norm (eager: clip_grad_norm_ after the K-th
+    backward, then opt.step()); optpass.grad_norm is what clip_grad_norm_ returned. max_norm is below
+    every window's norm, so every update is clipped."""
+    K, max_norm = 3, 0.05
+    twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
+
+    def make_micro_step(model):
+        def micro_step(x, y):
+            loss = mlp_loss(model, x, y) / K
+            loss.backward()
+            return loss.detach()
+        return micro_step
+
+    eager_micro = make_micro_step(twin.eager_model)
+    micro = torch.compile(make_micro_step(twin.compiled_model), backend="optpass",
+                          options={"lower": lower, "optimizer": twin.compiled_opt, "optimizer_in_backward": True,
+                                   "accumulation_steps": K, "clip_grad_norm": max_norm})
+    for i in range(3 * K):
+        x, y = mlp_data(i)
+        eager_micro(x, y)
+        micro(x, y)
+        if (i + 1) % K == 0:
+            norm = torch.nn.utils.clip_grad_norm_(twin.eager_model.parameters(), max_norm)
+            assert norm > max_norm
+            twin.eager_opt.step()
+            twin.eager_opt.zero_grad()
+            assert max_rel_diff(optpass.grad_norm(twin.compiled_opt), norm) <= TOL
+            params, state = twin.diffs()
+            assert params <= TOL and state <= TOL
+
+
 def test_an_lr_scheduler_after_an_accumulated_update_does_not_warn_it_ran_before_the_optimizer():
     """With accumulation_steps, the K-th micro-step applies the update and the user never calls
     opt.step(): a scheduler stepped after it must not warn that it ran before optimizer.step()."""
