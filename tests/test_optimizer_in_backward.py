@@ -343,6 +343,23 @@ def test_clip_grad_norm_with_accumulation_clips_the_windows_summed_gradient(lowe
             assert params <= TOL and state <= TOL
 
 
+def test_a_fused_adamw_resumed_from_a_state_dict_updates_as_eager_in_float64(float64_default):
+    """torch keeps a fused AdamW's step counters in float32, also when load_state_dict loads float64 ones,
+    and its kernel takes the bias corrections from them in double. The update optpass traces took them in
+    the counter's dtype (8e-7 from eager after 3 steps); the counters are widened to float64 first."""
+    twin = Twin(MLP, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
+    for model, opt in ((twin.eager_model, twin.eager_opt), (twin.compiled_model, twin.compiled_opt)):
+        eager = make_step(model, opt, mlp_loss)                 # eager on both sides: state to resume from
+        for i in range(3):
+            eager(*mlp_data(i))
+    saved = copy.deepcopy(twin.compiled_opt.state_dict())
+    twin.compiled_opt = torch.optim.AdamW(twin.compiled_model.parameters(), lr=1e-2, fused=True)
+    twin.compiled_opt.load_state_dict(saved)
+    assert next(iter(twin.compiled_opt.state.values()))["step"].dtype == torch.float32     # torch's policy
+    params, state = train_both(twin, steps=3, start=3)
+    assert params <= 1e-12 and state <= 1e-12
+
+
 def test_an_lr_scheduler_after_an_accumulated_update_does_not_warn_it_ran_before_the_optimizer():
     """With accumulation_steps, the K-th micro-step applies the update and the user never calls
     opt.step(): a scheduler stepped after it must not warn that it ran before optimizer.step()."""

@@ -374,6 +374,7 @@ def harvest_update(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tens
 
 
 def _harvest(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -> HarvestedUpdate:
+    _widen_step_counters(optimizer, list(names.values()))
     if low_bit_states.is_low_bit(optimizer):
         low_bit_states.create_missing_state(optimizer, list(names.values()))
     representative = _representatives(optimizer, names)
@@ -408,6 +409,25 @@ def _harvest(optimizer: torch.optim.Optimizer, names: dict[str, torch.Tensor]) -
         raise OptpassError(f"optimizer_in_backward: no update for parameter {missing[0]!r} was found in "
                            "the optimizer's step (is it in this optimizer's param_groups?).")
     return HarvestedUpdate(graphs, {name: updates[name] for name in names}, created)
+
+
+def _widen_step_counters(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """A float64 parameter's ``step`` counter in float32 becomes float64, in ``opt.state``, where the
+    default dtype is float64 (what torch.optim's single-tensor path, which the harvest traces, creates).
+
+    torch keeps a fused (or capturable) optimizer's counters in float32, also when ``load_state_dict``
+    loads float64 ones, and its fused kernel takes the bias corrections from them in double; the traced
+    single-tensor path takes them in the counter's dtype, so a float32 counter rounded a float64 model's
+    bias corrections: 8e-7 relative from eager fused AdamW after 3 steps resumed from a checkpoint (a
+    Hugging Face Trainer's default optimizer is fused AdamW). A fresh harvest already makes them float64
+    there, and the fused kernels take float64 counters."""
+    if not isinstance(optimizer, _PER_PARAMETER_OPTIMIZERS) or torch.get_default_dtype() != torch.float64:
+        return
+    for p in params:
+        step = optimizer.state.get(p, {}).get("step")
+        if (p.dtype == torch.float64 and isinstance(step, torch.Tensor) and step.dim() == 0
+                and step.dtype == torch.float32):
+            optimizer.state[p]["step"] = step.to(torch.float64)
 
 
 # torch.optim's optimizers whose single-tensor step updates each parameter from its own gradient,
