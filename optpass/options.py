@@ -96,7 +96,8 @@ OPTIONS: tuple[Option, ...] = (
            "with optimizer_in_backward one "
            "extra backward, with data_parallel one all-reduce of a scalar; with master_weights the fp32 "
            "gradients are clipped, with grad_scaler the unscaled ones (Megatron's order); after each step "
-           "optpass.grad_norm(opt) is the norm before clipping (what clip_grad_norm_ returns)"),
+           "optpass.grad_norm(opt) is the norm before clipping (what clip_grad_norm_ returns); float('inf') "
+           "only reports that norm (never clips: no extra backward)"),
     Option("data_parallel", (type(None), str), None,
            "'zero1': data-parallel over torch.distributed ranks, optimizer state sharded, collectives in the graph; "
            "'fsdp': a model passed to optpass.fully_shard, parameters, gradients and state sharded, each "

@@ -77,6 +77,24 @@ def test_a_trainer_run_with_its_step_compiled_by_optpass_equals_the_trainers_own
     assert all(torch.equal(resumed_state[k]["step"], state[k]["step"]) for k in state)
 
 
+def test_without_clipping_the_trainer_still_logs_the_gradient_norm(tmp_path, float64_default):
+    """max_grad_norm=0: no clipping, but the Trainer logs clip_grad_norm_(params, inf) every step;
+    OptpassTrainer asks for clip_grad_norm=inf, which reports that norm without a second backward."""
+    base = tiny_llama()
+    runs = {}
+    for cls, optpass_run in ((transformers.Trainer, False), (OptpassTrainer, True)):
+        model = copy.deepcopy(base)
+        run = trainer(cls, model, str(tmp_path / cls.__name__), optpass=optpass_run, max_grad_norm=0.0,
+                      gradient_accumulation_steps=1, num_train_epochs=1, gradient_checkpointing=False)
+        run.train()
+        runs[optpass_run] = (_logged(run), _params(model))
+    (logged, params), (expected, eager_params) = runs[True], runs[False]
+    assert len(logged) == len(expected) == 14
+    for (loss, norm, _), (eager_loss, eager_norm, _) in zip(logged, expected):
+        assert norm is not None and norm == pytest.approx(eager_norm, rel=TOL)
+    assert _max_rel_diff(params, eager_params) <= TOL
+
+
 @pytest.mark.parametrize("setting, message", [
     ({"fp16": True}, "fp16=True: the Trainer scales the loss with a GradScaler"),
     ({"torch_compile": True}, "torch_compile=True: the Trainer would compile the model's forward again"),

@@ -360,6 +360,29 @@ def test_a_fused_adamw_resumed_from_a_state_dict_updates_as_eager_in_float64(flo
     assert params <= 1e-12 and state <= 1e-12
 
 
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_an_infinite_max_norm_reports_the_norm_without_a_second_backward(lower):
+    """clip_grad_norm=inf never clips (clip_grad_norm_'s coefficient is 1): the update is eager's unclipped
+    one, optpass.grad_norm is clip_grad_norm_(params, inf)'s return, and no norm-only backward runs (what
+    OptpassTrainer asks for when max_grad_norm is 0, so the Trainer still logs grad_norm)."""
+    twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
+    step = fused(twin.compiled_model, twin.compiled_opt, mlp_loss, lower, clip_grad_norm=float("inf"))
+    for i in range(4):
+        x, y = mlp_data(i)
+        loss = mlp_loss(twin.eager_model, x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(twin.eager_model.parameters(), float("inf"))
+        twin.eager_opt.step()
+        twin.eager_opt.zero_grad()
+        step(x, y)
+        assert max_rel_diff(optpass.grad_norm(twin.compiled_opt), norm) <= TOL
+    params, state = twin.diffs()
+    assert params <= TOL and state <= TOL
+    report = fused_reports()[-1]
+    assert any(p.name == "clip_grad_norm_in_backward" and p.status == "applied" for p in report.passes)
+    assert "first_backward" not in report.regions
+
+
 def test_an_lr_scheduler_after_an_accumulated_update_does_not_warn_it_ran_before_the_optimizer():
     """With accumulation_steps, the K-th micro-step applies the update and the user never calls
     opt.step(): a scheduler stepped after it must not warn that it ran before optimizer.step()."""

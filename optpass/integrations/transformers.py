@@ -10,7 +10,8 @@ autocast, the loss scaled for accumulation as the Trainer scales it, ``backward`
 * ``gradient_accumulation_steps`` -> ``accumulation_steps``: the K-th micro-step of a window applies
   the update inside its backward; micro-steps 1..K-1 accumulate into ``.grad``;
 * ``max_grad_norm`` (> 0) -> ``clip_grad_norm``: the window's gradient clipped by its global norm
-  before the update; the norm the Trainer logs as ``grad_norm`` is ``optpass.grad_norm(opt)``;
+  before the update; the norm the Trainer logs as ``grad_norm`` is ``optpass.grad_norm(opt)``; with
+  ``max_grad_norm=0``, ``clip_grad_norm=inf``: no clipping, the norm only reported (no extra backward);
 * the optimizer the Trainer built (``optim``: ``adamw_torch``, ``sgd``, a torchao low-bit one...) ->
   ``optimizer``, with ``optimizer_in_backward=True``; the LR scheduler sets each group's lr as before
   (optpass reads it at every step, no recompile);
@@ -111,8 +112,10 @@ class OptpassTrainerMixin:
         options: dict[str, Any] = {"optimizer": self.raw_optimizer, "optimizer_in_backward": True}
         if self.args.gradient_accumulation_steps > 1:
             options["accumulation_steps"] = self.args.gradient_accumulation_steps
-        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
-            options["clip_grad_norm"] = float(self.args.max_grad_norm)
+        # max_grad_norm 0 (or None): no clipping, but the Trainer still logs the norm: an infinite max norm
+        # reports it, taken from the gradients as backward makes them (no norm-only backward)
+        clip = self.args.max_grad_norm
+        options["clip_grad_norm"] = float(clip) if clip is not None and clip > 0 else float("inf")
         options.update(self.optpass_options)
         return options
 
@@ -160,7 +163,9 @@ class OptpassTrainerMixin:
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
         if grad_norm is None and self._window_updated_in_step(model):
-            return None                 # no clipping asked: optpass computed no norm, and .grad is empty
+            from optpass.runtime.grad_norm import grad_norm as optpass_grad_norm
+
+            return optpass_grad_norm(self.raw_optimizer)    # no clipping asked: the norm the step reported
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _window_updated_in_step(self, model: torch.nn.Module) -> bool:
@@ -195,7 +200,7 @@ def _refuse_what_cannot_be_compiled(args) -> None:
         problems.append("torch_compile=True: the Trainer would compile the model's forward again inside "
                         "optpass's compiled step; leave it off (OptpassTrainer compiles the whole step)")
     if "lomo" in str(getattr(args, "optim", "")).lower():
-        problems.append(f"optim={args.optim}: LOMO updates inside its own backward; use an elementwise torch "
+        problems.append(f"optim={getattr(args.optim, 'value', args.optim)}: LOMO updates inside its own backward; use an elementwise torch "
                         "optimizer (adamw_torch, sgd), which optpass updates in backward the same way")
     if problems:
         raise OptpassError("OptpassTrainer cannot compile this Trainer's step:\n  - " + "\n  - ".join(problems))

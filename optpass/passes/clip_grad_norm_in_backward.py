@@ -33,6 +33,10 @@ holding its other shards, a replicated gradient's counted once.
 The pre-clip global norm, what ``clip_grad_norm_`` returns, is copied into a 0-d input that the
 runtime passes (``GRAD_NORM_OUTPUT``; ``optpass.grad_norm(opt)`` hands it to the user after the step).
 
+``max_norm = inf`` (``clip_grad_norm=float("inf")``) never clips, as ``clip_grad_norm_``'s
+coefficient is 1 there: the norm is only reported (``optpass.grad_norm``), reduced from each
+gradient as the one backward makes it, with no norm-only backward and no multiplication.
+
 Effect: the same parameters as eager ``clip_grad_norm_(params, max_norm)``
 followed by ``opt.step()`` (of the fp32 master gradients with master_weights),
 with gradient memory still about one gradient inside backward; that costs one
@@ -45,6 +49,8 @@ extra backward (measured in bench/optimizer_in_backward.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx
@@ -156,7 +162,10 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
     step.annotate_regions()
     exact = eager_order is not None and not _sharded(step, names)
     reduce = two_norm if exact else squared_norm
-    if in_backward:
+    # max_norm = inf never clips (the coefficient is 1): the norm is only reported, so it is taken from
+    # the gradients as backward makes them, with no norm-only backward before
+    report_only = math.isinf(max_norm)
+    if in_backward and not report_only:
         # The norm-only backward: each gradient's copy reduced to its norm as soon as it exists.
         first = first_backward(step, list(values.values()))
         reduced = {value: reduce_after(step, first.copies[value], reduce) for value in values.values()}
@@ -174,8 +183,11 @@ def clip_fused_gradients(step, names: list[str], max_norm: float, in_backward: b
             squares = {name_of[value]: reduced[value] for value in in_graph_order(graph, values.values())}
             total = summed_over_the_ranks(step, names, squares)
             norm = emit(aten.sqrt.default, total)
-        coef = clip_coefficient(emit, norm, max_norm)
+        coef = None if report_only else clip_coefficient(emit, norm, max_norm)
     write_grad_norm(step, norm)              # what clip_grad_norm_ returns: optpass.grad_norm(opt)
+    if report_only:
+        step.annotate_regions()
+        return
     # Each fused gradient is scaled before its update reads it: inside backward right after the
     # gradient (every reader of it reads the clipped one); after backward at the end, where only
     # the update reads it (Dynamo's copy into .grad, before it, is dropped with the gradient output).
