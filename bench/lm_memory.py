@@ -52,7 +52,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (CPUTensorBytes, child_command, child_env, emit_result, empty_cache_dir, graph_count,  # noqa: E402
                       print_json, proc_status_kib, run_child, training_step)
 
-MODELS = ("gpt-tied", "gpt-untied", "hf-gpt2", "hf-llama")
+MODELS = ("gpt-tied", "gpt-untied", "hf-gpt2", "hf-llama", "hf-llama-52m")
+# What each step does (``--setup``): the whole step; accumulation over ACCUMULATION micro-steps (without and
+# with clipping at 1.0); the whole step with the model's gradient checkpointing (Hugging Face models).
+SETUPS = ("step", "accumulation", "accumulation-clip", "checkpointing")
+ACCUMULATION = 4
 PRECISIONS = ("fp32", "bf16")
 KINDS = ("inductor", "optpass")
 _MB = 2 ** 20
@@ -75,6 +79,11 @@ def build_model(name: str):
     elif name == "hf-llama":
         config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=4, vocab_size=32000,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    elif name == "hf-llama-52m":
+        config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                                          num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
                                           max_position_embeddings=64, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
     else:
@@ -102,7 +111,7 @@ def run_variant(args) -> None:
     torch.set_num_threads(args.threads)
     import optpass
 
-    model_name, precision, kind = args.child.split("/")
+    model_name, precision, kind, setup = args.child.split("/")
     live = CPUTensorBytes()
     live.load()
     rss_after_imports_kib = proc_status_kib("VmRSS")
@@ -112,6 +121,9 @@ def run_variant(args) -> None:
         model, loss_of = build_model(model_name)
         if precision == "bf16":
             model = model.to(torch.bfloat16)
+        if setup == "checkpointing":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         params = list(model.parameters())
         opt = make_optimizer(args.optimizer, params)
         g = torch.Generator().manual_seed(1)
@@ -127,9 +139,13 @@ def run_variant(args) -> None:
     if kind == "optpass":
         options["optimizer_in_backward"] = True
         options["logits_in_chunks"] = args.logits_in_chunks
-    step = training_step(loss_of, opt)
-    compiled = (torch.compile(step, backend="inductor") if kind == "inductor" and precision == "fp32"
-                else torch.compile(step, backend="optpass", options=options))
+    clip = 1.0 if setup == "accumulation-clip" else None
+    if setup.startswith("accumulation"):
+        compiled = accumulation_step(loss_of, opt, params, kind, options, precision, clip)
+    else:
+        step = training_step(loss_of, opt)
+        compiled = (torch.compile(step, backend="inductor") if kind == "inductor" and precision == "fp32"
+                    else torch.compile(step, backend="optpass", options=options))
 
     warmup_s = []
     with live.mark("warm-up"):
@@ -159,6 +175,54 @@ def run_variant(args) -> None:
         "first_call_s": warmup_s[0], "median_step_s": statistics.median(times), "losses": losses,
         "grads_left": sum(p.grad is not None for p in params),
     })
+
+
+def accumulation_step(loss_of, opt, params, kind: str, options: dict, precision: str, clip: float | None):
+    """A callable of one micro-step (``x, y``): the loss divided by ACCUMULATION and backward, compiled,
+    with the window's update at every ACCUMULATION-th call. Inductor (fp32): the micro-step compiled
+    by Inductor, then ``clip_grad_norm_`` (with ``clip``), ``opt.step()`` and ``opt.zero_grad()`` as an
+    Inductor user writes them, eagerly; bf16: optpass with ``master_weights``, the micro-steps compiled
+    with the step's options and the last one with ``opt.step()`` in it (the update after backward).
+    optpass: ``accumulation_steps`` with the update in backward (and ``clip_grad_norm``)."""
+    import torch
+
+    def micro_step(x, y):
+        loss = loss_of(x, y) / ACCUMULATION
+        loss.backward()
+        return loss.detach()
+
+    if kind == "optpass":
+        options = {**options, "accumulation_steps": ACCUMULATION}
+        if clip is not None:
+            options["clip_grad_norm"] = clip
+        return torch.compile(micro_step, backend="optpass", options=options)
+    if precision == "fp32":
+        micro = torch.compile(micro_step, backend="inductor")
+
+        def update():
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            opt.zero_grad()
+    else:
+        micro = torch.compile(micro_step, backend="optpass", options=options)
+        if clip is not None:
+            options = {**options, "clip_grad_norm": clip}
+        last = torch.compile(training_step(lambda x, y: loss_of(x, y) / ACCUMULATION, opt),
+                             backend="optpass", options=options)
+        update = None
+    calls = [0]
+
+    def call(x, y):
+        calls[0] += 1
+        if calls[0] % ACCUMULATION:
+            return micro(x, y)
+        if update is None:
+            return last(x, y)
+        out = micro(x, y)
+        update()
+        return out
+    return call
 
 
 def run_interleaved(args) -> None:
@@ -223,8 +287,11 @@ def _loss_of(name: str, model):
 
 
 def _spawn(args, variant: str) -> dict:
-    cmd = child_command(__file__, child=variant, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                        warmup=args.warmup, threads=args.threads, logits_in_chunks=args.logits_in_chunks,
+    warmup, steps = args.warmup, args.steps
+    if variant.split("/")[3].startswith("accumulation"):          # whole windows, each phase
+        warmup, steps = (-(-n // ACCUMULATION) * ACCUMULATION for n in (warmup, steps))
+    cmd = child_command(__file__, child=variant, batch=args.batch, seq_len=args.seq_len, steps=steps,
+                        warmup=warmup, threads=args.threads, logits_in_chunks=args.logits_in_chunks,
                         optimizer=args.optimizer)
     with empty_cache_dir(variant) as cache_dir:
         return run_child(cmd, child_env(args.threads, cache_dir), args.child_timeout)
@@ -232,38 +299,41 @@ def _spawn(args, variant: str) -> dict:
 
 def run_parent(args) -> None:
     rows, full = [], {}
-    print(f"| model | precision | params | B/param Inductor -> optpass (steady) | whole run | saved / gradient bytes "
+    print(f"| model | precision | setup | params | B/param Inductor -> optpass (steady) | whole run (optpass/Inductor) | saved / gradient bytes "
           "(steady) | goal | whole-run saved / floor | step time optpass/Inductor | first call (s) | RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in args.models:
-        for precision in args.precisions:
-            base, ours = (_spawn(args, f"{model}/{precision}/{kind}") for kind in KINDS)
-            full[f"{model}/{precision}"] = {"inductor": base, "optpass": ours}
-            n, grads, largest = ours["n_params"], ours["gradient_bytes"], ours["largest_gradient_bytes"]
-            goal = 0.9 * (grads - largest)
-            saved_steady = base["steady_peak_bytes"] - ours["steady_peak_bytes"]
-            saved_whole = base["whole_run_peak_bytes"] - ours["whole_run_peak_bytes"]
-            row = {
-                "model": model, "precision": precision, "n_params": n,
-                "steady_bytes_per_param": [base["steady_peak_bytes"] / n, ours["steady_peak_bytes"] / n],
-                "whole_run_bytes_per_param": [base["whole_run_peak_bytes"] / n, ours["whole_run_peak_bytes"] / n],
-                "saved_steady_of_gradients": saved_steady / grads, "goal_of_gradients": goal / grads,
-                "steady_goal_met": saved_steady >= goal,
-                # the issue's floor: every gradient but the largest dead at the peak (the 100M MLP: 1.06)
-                "whole_run_saved_of_floor": saved_whole / (grads - largest),
-                "step_time_ratio": ours["median_step_s"] / base["median_step_s"],
-                "first_call_s": [base["first_call_s"], ours["first_call_s"]],
-                "vm_hwm_mib": [base["vm_hwm_kib"] / 1024, ours["vm_hwm_kib"] / 1024],
-                "alive_at_optpass_peak_mib": ours["alive_at_peak_mib"],
-            }
-            rows.append(row)
-            print(f"| {model} | {precision} | {n / 1e6:.1f}M | {row['steady_bytes_per_param'][0]:.2f} -> "
-                  f"{row['steady_bytes_per_param'][1]:.2f} | {row['whole_run_bytes_per_param'][0]:.2f} -> "
-                  f"{row['whole_run_bytes_per_param'][1]:.2f} | {row['saved_steady_of_gradients']:.2f} | "
-                  f"{row['goal_of_gradients']:.2f} ({'met' if row['steady_goal_met'] else 'MISSED'}) | "
-                  f"{row['whole_run_saved_of_floor']:.2f} | {row['step_time_ratio']:.2f} | "
-                  f"{row['first_call_s'][0]:.0f} / {row['first_call_s'][1]:.0f} | "
-                  f"{row['vm_hwm_mib'][0]:.0f} / {row['vm_hwm_mib'][1]:.0f} |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, precision, setup in ((m, p, s) for m in args.models for p in args.precisions for s in args.setups):
+        if setup == "checkpointing" and not model.startswith("hf-"):
+            continue                       # the Hugging Face models' gradient_checkpointing_enable
+        base, ours = (_spawn(args, f"{model}/{precision}/{kind}/{setup}") for kind in KINDS)
+        full[f"{model}/{precision}/{setup}"] = {"inductor": base, "optpass": ours}
+        n, grads, largest = ours["n_params"], ours["gradient_bytes"], ours["largest_gradient_bytes"]
+        goal = 0.9 * (grads - largest)
+        saved_steady = base["steady_peak_bytes"] - ours["steady_peak_bytes"]
+        saved_whole = base["whole_run_peak_bytes"] - ours["whole_run_peak_bytes"]
+        row = {
+            "model": model, "precision": precision, "setup": setup, "n_params": n,
+            "whole_run_optpass_over_inductor": ours["whole_run_peak_bytes"] / base["whole_run_peak_bytes"],
+            "steady_bytes_per_param": [base["steady_peak_bytes"] / n, ours["steady_peak_bytes"] / n],
+            "whole_run_bytes_per_param": [base["whole_run_peak_bytes"] / n, ours["whole_run_peak_bytes"] / n],
+            "saved_steady_of_gradients": saved_steady / grads, "goal_of_gradients": goal / grads,
+            "steady_goal_met": saved_steady >= goal,
+            # the issue's floor: every gradient but the largest dead at the peak (the 100M MLP: 1.06)
+            "whole_run_saved_of_floor": saved_whole / (grads - largest),
+            "step_time_ratio": ours["median_step_s"] / base["median_step_s"],
+            "first_call_s": [base["first_call_s"], ours["first_call_s"]],
+            "vm_hwm_mib": [base["vm_hwm_kib"] / 1024, ours["vm_hwm_kib"] / 1024],
+            "alive_at_optpass_peak_mib": ours["alive_at_peak_mib"],
+        }
+        rows.append(row)
+        print(f"| {model} | {precision} | {setup} | {n / 1e6:.1f}M | {row['steady_bytes_per_param'][0]:.2f} -> "
+              f"{row['steady_bytes_per_param'][1]:.2f} | {row['whole_run_bytes_per_param'][0]:.2f} -> "
+              f"{row['whole_run_bytes_per_param'][1]:.2f} ({row['whole_run_optpass_over_inductor']:.3f}x) | "
+              f"{row['saved_steady_of_gradients']:.2f} | "
+              f"{row['goal_of_gradients']:.2f} ({'met' if row['steady_goal_met'] else 'MISSED'}) | "
+              f"{row['whole_run_saved_of_floor']:.2f} | {row['step_time_ratio']:.2f} | "
+              f"{row['first_call_s'][0]:.0f} / {row['first_call_s'][1]:.0f} | "
+              f"{row['vm_hwm_mib'][0]:.0f} / {row['vm_hwm_mib'][1]:.0f} |", flush=True)
     print_json({"rows": rows}, full, args.json)
 
 
@@ -271,6 +341,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     parser.add_argument("--precisions", type=lambda s: s.split(","), default=list(PRECISIONS))
+    parser.add_argument("--setups", type=lambda s: s.split(","), default=["step"],
+                        help=f"comma-separated, of {SETUPS}: the whole step, accumulation over {ACCUMULATION} "
+                             "micro-steps (and with clip_grad_norm 1.0), the model's gradient checkpointing")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
