@@ -605,3 +605,94 @@ def resume_master_weights_checkpoint(rank: int, world: int) -> dict:
             worst_master = max(worst_master, ((piece - reference[start:stop]).abs().max() / reference.abs().max()).item())
     return {"params": max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), whole.parameters())),
             "masters": worst_master, "user_state_entries": len(opt.state)}
+
+
+def save_interrupted_then_bad_checkpoints(rank: int, world: int, path: str) -> dict:
+    """A checkpoint saved after 3 steps; a second save that dies after writing its files (on every rank:
+    the job is killed) must leave the first loadable; then three bad checkpoints, each refused with the
+    model as it was; then a save that finishes replaces the first (tests/test_checkpoint_files.py)."""
+    import os
+    import shutil
+
+    from optpass.zero1 import checkpoint as zero1_checkpoint
+
+    torch.set_default_dtype(torch.float64)
+    model = make_model()
+    opt = make_optimizer("AdamW", param_groups(model))
+    step = torch.compile(make_step(model, opt), backend="optpass",
+                         options={"optimizer": opt, "data_parallel": "zero1", "lower": "eager"})
+    params = lambda: [p.detach().clone() for p in model.parameters()]            # noqa: E731
+    for i in range(3):
+        step(*local(global_batch(i, world), rank, world))
+    optpass.save_sharded_checkpoint(path, opt, model=model)
+    saved = params()
+    for i in range(3, 5):
+        step(*local(global_batch(i, world), rank, world))
+    trained = params()
+
+    real_save = zero1_checkpoint.dcp.save
+
+    def killed_after_writing(state, checkpoint_id, process_group):
+        real_save(state, checkpoint_id=checkpoint_id, process_group=process_group)
+        raise RuntimeError("killed")
+    zero1_checkpoint.dcp.save = killed_after_writing
+    try:
+        optpass.save_sharded_checkpoint(path, opt, model=model)
+    except RuntimeError as error:
+        interrupted = str(error)
+    finally:
+        zero1_checkpoint.dcp.save = real_save
+    left = sorted(os.listdir(os.path.dirname(path)))
+    optpass.load_sharded_checkpoint(path, opt, model=model)
+    loaded_previous = max((a - b).abs().max().item() for a, b in zip(params(), saved))
+
+    refusals = {}
+    bad = {"missing": path + "-missing", "no metadata": path + "-no-metadata", "cut": path + "-cut"}
+    if rank == 0:
+        shutil.copytree(path, bad["no metadata"])
+        os.remove(os.path.join(bad["no metadata"], ".metadata"))
+        shutil.copytree(path, bad["cut"])
+        metadata = os.path.join(bad["cut"], ".metadata")
+        with open(metadata, "r+b") as f:
+            f.truncate(os.path.getsize(metadata) // 2)
+    torch.distributed.barrier()
+    before = params()
+    for kind, where in bad.items():
+        try:
+            optpass.load_sharded_checkpoint(where, opt, model=model)
+            refusals[kind] = "loaded"
+        except optpass.OptpassError as error:
+            refusals[kind] = str(error)
+    unchanged = max((a - b).abs().max().item() for a, b in zip(params(), before))
+
+    torch.distributed.barrier()
+    if rank == 0:
+        for where in bad.values():
+            shutil.rmtree(where, ignore_errors=True)
+    torch.distributed.barrier()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), trained):
+            p.copy_(value)
+    shared = path + "-shared"                                         # a directory with a user's own file in it
+    if rank == 0:
+        os.makedirs(shared)
+        open(os.path.join(shared, "train.log"), "w").close()
+    torch.distributed.barrier()
+    try:
+        optpass.save_sharded_checkpoint(shared, opt, model=model)
+        refusals["shared directory"] = "saved"
+    except optpass.OptpassError as error:
+        refusals["shared directory"] = str(error)
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(shared)
+    torch.distributed.barrier()
+    optpass.save_sharded_checkpoint(path, opt, model=model)          # finishes: replaces the first
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optpass.load_sharded_checkpoint(path, opt, model=model)
+    loaded_new = max((a - b).abs().max().item() for a, b in zip(params(), trained))
+    return {"interrupted": interrupted, "left_after_interrupted": left, "loaded_previous": loaded_previous,
+            "refusals": refusals, "unchanged_by_refusals": unchanged, "loaded_new": loaded_new,
+            "left_at_end": sorted(os.listdir(os.path.dirname(path)))}

@@ -23,6 +23,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from optpass.checkpoint_files import publishing, require_complete
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
 from optpass.fsdp import low_bit_checkpoint, write_through
@@ -211,7 +212,9 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     """Save a sharded training state with ``torch.distributed.checkpoint``; call on every rank.
 
     For a model passed to ``optpass.fully_shard``: its parameters and the optimizer's state, each
-    rank writing its own pieces. For an optimizer sharded by ``data_parallel="zero1"``:
+    rank writing its own pieces, into ``<checkpoint_id>.incomplete`` first, published at
+    ``checkpoint_id`` when every rank is done (``optpass.checkpoint_files``: a save killed half-way
+    leaves the previous checkpoint loadable). For an optimizer sharded by ``data_parallel="zero1"``:
     ``optpass.zero1.checkpoint.save_sharded_checkpoint``. Either loads on any number of ranks.
 
     Args:
@@ -231,7 +234,8 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         return
     _refuse_two_dimensional(model, "save_sharded_checkpoint")
     group = sharded_parameters(model)[0][2].group
-    dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=checkpoint_id, process_group=group)
+    with publishing(checkpoint_id, group) as writing_to:
+        dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=writing_to, process_group=group)
 
 
 def _refuse_two_dimensional(model, what: str) -> None:
@@ -276,8 +280,9 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         **zero1_options: process_group, partition, bucket_bytes, master_weights (zero1 only).
 
     Raises:
-        OptpassError: neither a fully sharded model nor an optimizer; the checkpoint lacks a
-            parameter or holds other param groups.
+        OptpassError: neither a fully sharded model nor an optimizer; no complete checkpoint at
+            ``checkpoint_id`` (a save that did not finish, a cut or foreign file: nothing is loaded);
+            the checkpoint lacks a parameter or holds other param groups.
     """
     optimizer = _one_optimizer(optimizer, model)
     if model is None or not sharded_parameters(model):
@@ -289,6 +294,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         raise OptpassError(f"load_sharded_checkpoint: {sorted(zero1_options)} are zero1's options; a fully "
                            "sharded model takes none.")
     _refuse_two_dimensional(model, "load_sharded_checkpoint")
+    require_complete(checkpoint_id, "load_sharded_checkpoint")
     group = sharded_parameters(model)[0][2].group
     names = _names(model)
     by_name = {name: p for name, p, _ in sharded_parameters(model)}

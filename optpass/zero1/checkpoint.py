@@ -35,6 +35,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from optpass.checkpoint_files import publishing, require_complete
 from optpass.errors import OptpassError
 from optpass.optim import low_bit_states
 from optpass.zero1.state import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
@@ -148,7 +149,8 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
     """Save this rank's optimizer shard (and the model, if given) with DCP; call on every rank.
 
     The state is stored in a layout-free form (``optimizer_state_dict``), so the checkpoint loads
-    on any number of ranks.
+    on any number of ranks. It is written into ``<checkpoint_id>.incomplete`` and published at
+    ``checkpoint_id`` when every rank is done (``optpass.checkpoint_files``).
 
     Args:
         checkpoint_id: where to save (DCP's ``checkpoint_id``, e.g. a directory path).
@@ -164,7 +166,9 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
         state = {OPTIMIZER_KEY: optimizer_state_dict(optimizer)}
         if model is not None:
             state["model"] = model.state_dict()
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=_sharded(optimizer).pg.group)
+        group = _sharded(optimizer).pg.group
+        with publishing(checkpoint_id, group) as writing_to:
+            dcp.save(state, checkpoint_id=writing_to, process_group=group)
 
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
@@ -200,6 +204,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
             "single process) or call torch.distributed.init_process_group('gloo', rank=0, world_size=1, ...) "
             "first, and compile the step with the options it was saved with (data_parallel='zero1', ...). For a "
             "model passed to optpass.fully_shard, pass model=.")
+    require_complete(checkpoint_id, "load_sharded_checkpoint")
     sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
                                                           master_dtype=master_weights)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
