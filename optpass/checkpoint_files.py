@@ -15,7 +15,7 @@ delete it.
 metadata, or with metadata that cannot be read (a truncated or foreign file), is an ``OptpassError``
 that says which and where the last complete checkpoint is, before anything of the model or the
 optimizer is touched. A ``checkpoint_id`` that is not a path (a storage writer or reader object)
-is passed to DCP as it is.
+is passed to DCP as it is. Why written aside and renamed: docs/design.md §70.
 """
 
 from __future__ import annotations

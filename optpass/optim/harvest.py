@@ -420,7 +420,7 @@ def _widen_step_counters(optimizer: torch.optim.Optimizer, params: list[torch.Te
     single-tensor path takes them in the counter's dtype, so a float32 counter rounded a float64 model's
     bias corrections: 8e-7 relative from eager fused AdamW after 3 steps resumed from a checkpoint (a
     Hugging Face Trainer's default optimizer is fused AdamW). A fresh harvest already makes them float64
-    there, and the fused kernels take float64 counters."""
+    there, and the fused kernels take float64 counters (docs/design.md §69)."""
     if not isinstance(optimizer, _PER_PARAMETER_OPTIMIZERS) or torch.get_default_dtype() != torch.float64:
         return
     for p in params:
