@@ -29,7 +29,7 @@ from typing import Iterator
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from optpass.errors import OptpassError
+from optpass.errors import OptpassError, name_list
 
 INCOMPLETE = ".incomplete"
 PREVIOUS = ".previous"
@@ -66,7 +66,7 @@ def publishing(checkpoint_id, group) -> Iterator:
 
 def _is_dcp_file(name: str) -> bool:
     """A file DCP's FileSystemWriter writes: ``.metadata``, a rank's ``__R.metadata``, ``*.distcp``."""
-    return name.endswith((".metadata", ".distcp")) or name.endswith(".metadata.tmp")
+    return name.endswith((".metadata", ".distcp", ".metadata.tmp"))
 
 
 def _refuse_replacing_other_files(final: Path) -> None:
@@ -74,8 +74,8 @@ def _refuse_replacing_other_files(final: Path) -> None:
     if final.is_dir():
         others = sorted(e.name for e in final.iterdir() if not (e.is_file() and _is_dcp_file(e.name)))
         if others:
-            listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-            raise OptpassError(f"save_sharded_checkpoint: {final} holds files that are not a checkpoint's ({listed}); "
+            raise OptpassError(f"save_sharded_checkpoint: {final} holds files that are not a checkpoint's "
+                               f"({name_list(others, 5)}); "
                                "a save replaces the whole directory once it is complete, so it would delete them. "
                                "Save each checkpoint into a directory of its own (e.g. "
                                f"{final / 'step-1000'}).")

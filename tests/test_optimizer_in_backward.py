@@ -46,6 +46,15 @@ def train_both(twin, loss_fn=mlp_loss, data=mlp_data, lower="eager", steps=STEPS
     return twin.diffs()
 
 
+def accumulating_micro_step(model, k: int):
+    """A micro-step of accumulation over `k`: the loss divided by `k`, backward, no opt.step()."""
+    def micro_step(x, y):
+        loss = mlp_loss(model, x, y) / k
+        loss.backward()
+        return loss.detach()
+    return micro_step
+
+
 def fused_reports():
     return [r for r in optpass.recent_reports()
             if any(p.name == "optimizer_in_backward" and p.status == "applied" for p in r.passes)]
@@ -281,15 +290,8 @@ def test_gradient_accumulation_applies_the_update_every_k_micro_steps():
     K = 4
     twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
 
-    def make_micro_step(model):
-        def micro_step(x, y):
-            loss = mlp_loss(model, x, y) / K
-            loss.backward()
-            return loss.detach()
-        return micro_step
-
-    eager_micro = make_micro_step(twin.eager_model)
-    micro = torch.compile(make_micro_step(twin.compiled_model), backend="optpass",
+    eager_micro = accumulating_micro_step(twin.eager_model, K)
+    micro = torch.compile(accumulating_micro_step(twin.compiled_model, K), backend="optpass",
                           options={"lower": "eager", "optimizer": twin.compiled_opt,
                                    "optimizer_in_backward": True, "accumulation_steps": K})
     for i in range(STEPS):
@@ -318,15 +320,8 @@ def test_clip_grad_norm_with_accumulation_clips_the_windows_summed_gradient(lowe
     K, max_norm = 3, 0.05
     twin = Twin(MLP, lambda m: OPTIMIZERS["adamw"](m.parameters()))
 
-    def make_micro_step(model):
-        def micro_step(x, y):
-            loss = mlp_loss(model, x, y) / K
-            loss.backward()
-            return loss.detach()
-        return micro_step
-
-    eager_micro = make_micro_step(twin.eager_model)
-    micro = torch.compile(make_micro_step(twin.compiled_model), backend="optpass",
+    eager_micro = accumulating_micro_step(twin.eager_model, K)
+    micro = torch.compile(accumulating_micro_step(twin.compiled_model, K), backend="optpass",
                           options={"lower": lower, "optimizer": twin.compiled_opt, "optimizer_in_backward": True,
                                    "accumulation_steps": K, "clip_grad_norm": max_norm})
     for i in range(3 * K):
