@@ -40,7 +40,8 @@ from optpass.runtime.fused_step import FusedStep, refuse_update_during_accumulat
 from optpass.runtime.master_weights_step import MasterWeightsStep
 from optpass.runtime.scaled_micro_step import ScaledMicroStep
 from optpass.runtime.sharded_step import ShardedStep, shard_the_optimizer
-from optpass.zero1.agreement import RanksDisagree, agree, announce_refusal, announce_undistributed, several_ranks
+from optpass.zero1.agreement import (RanksDisagree, agree, announce_refusal, announce_undistributed, failed_step_error,
+                                     several_ranks)
 from optpass.zero1.state import ProcessGroupInfo, Replicas, sharded_state, signature
 
 # Looking the backend up (torch.compile(..., backend="optpass")) imports this
@@ -306,14 +307,23 @@ def _with_rank_zeros_buffers(call, gm, captured, options, micro: bool = False):
     """Under data_parallel='fsdp' the buffers a training step writes (BatchNorm's running
     statistics) are rank 0's before every step, as DDP keeps them (and zero1): made at the first
     compile of a step, which every rank reaches together, and kept for the optimizer's later
-    compiles (a recompile may happen on some ranks only)."""
+    compiles (a recompile may happen on some ranks only). A step that fails (a collective broke off:
+    a rank failed or was lost) raises ``failed_step_error``: the lost rank named, saves refused."""
     if options.data_parallel != "fsdp" or captured.kind is not GraphKind.STEP:
         return call
+    group = optimizer_group(options.optimizer)
     replicas = _FSDP_BUFFERS.get(options.optimizer)
     if replicas is None:
-        group = ProcessGroupInfo.of(optimizer_group(options.optimizer))
-        replicas = _FSDP_BUFFERS[options.optimizer] = Replicas(group, module_buffers(gm))
-    return lambda *args: replicas.run(call, args, micro_step=micro)
+        replicas = _FSDP_BUFFERS[options.optimizer] = Replicas(ProcessGroupInfo.of(group), module_buffers(gm))
+
+    def run(*args):
+        try:
+            return replicas.run(call, args, micro_step=micro)
+        except OptpassError:
+            raise
+        except RuntimeError as error:        # a collective broke off: another rank failed, or is lost
+            raise failed_step_error("fsdp", group, error, options.optimizer) from error
+    return run
 
 
 def _check_zero1(gm, captured, options) -> None:

@@ -69,10 +69,18 @@ class RankCrashed(RuntimeError):
     """A rank's process was killed by a signal (an abort in C++, a segfault)."""
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float = 60) -> list:
+@dataclasses.dataclass
+class RankKilled:
+    """A rank in ``run_ranks(..., may_be_killed=...)`` that died by a signal, as its test meant it to."""
+    signal: int
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float = 60,
+              may_be_killed: tuple[int, ...] = ()) -> list:
     """``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; each rank's return value (or its
     RankError). A rank killed by a signal (an abort in C++, a segfault) fails the call with the
-    end of its output: no rerun."""
+    end of its output: no rerun; one of `may_be_killed` (a test that kills it) comes back as
+    RankKilled."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
@@ -95,7 +103,10 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
                 rank, value = queue.get(timeout=min(remaining, 5))
                 results[rank] = value
             except Exception:  # noqa: BLE001  (queue.Empty: check for dead processes)
-                crashed = [r for r, p in enumerate(processes) if (p.exitcode or 0) < 0]
+                for r in may_be_killed:
+                    if (processes[r].exitcode or 0) < 0 and r not in results:
+                        results[r] = RankKilled(-processes[r].exitcode)
+                crashed = [r for r, p in enumerate(processes) if (p.exitcode or 0) < 0 and r not in may_be_killed]
                 if crashed:        # the others would wait for it in a collective until their timeout
                     raise RankCrashed(f"ranks {crashed} were killed by a signal (exit codes "
                                       f"{[p.exitcode for p in processes]})" + _tails(log_paths, crashed)) from None
@@ -105,7 +116,8 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
                                        f"(exit codes {[p.exitcode for p in processes]})"
                                        + _tails(log_paths, dead)) from None
     finally:
-        crashed = any((p.exitcode or 0) < 0 for p in processes)     # then the others are not waited for
+        crashed = any((p.exitcode or 0) < 0 for r, p in enumerate(processes)     # then the others are not waited for
+                      if r not in may_be_killed)
         stuck_in_teardown = set()
         for r, p in enumerate(processes):
             p.join(timeout=0 if crashed else 120)
@@ -116,7 +128,8 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300, pg_timeout_s: float
                 p.join()
     # a rank this call killed after its result came back (destroy_process_group slow on a loaded
     # machine) is not a fault; one that died on its own in its teardown is
-    failed = [r for r, p in enumerate(processes) if p.exitcode != 0 and r not in stuck_in_teardown]
+    failed = [r for r, p in enumerate(processes) if p.exitcode != 0 and r not in stuck_in_teardown
+              and not isinstance(results.get(r), RankKilled)]
     if failed:     # every result came back, yet a rank died in its teardown: a fault, not a pass
         error = RankCrashed if any(processes[r].exitcode < 0 for r in failed) else RuntimeError
         raise error(f"ranks {failed} failed after sending their results "

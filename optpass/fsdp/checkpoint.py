@@ -24,6 +24,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.checkpoint_files import publishing, require_complete
+from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
 from optpass.fsdp import low_bit_checkpoint, write_through
@@ -233,6 +234,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         zero1_checkpoint.save_sharded_checkpoint(checkpoint_id, optimizer, model=model)
         return
     _refuse_two_dimensional(model, "save_sharded_checkpoint")
+    refuse_saving_after_a_failed_step("save_sharded_checkpoint", optimizer, model)
     group = sharded_parameters(model)[0][2].group
     with publishing(checkpoint_id, group) as writing_to:
         dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=writing_to, process_group=group)
@@ -355,4 +357,5 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         for p, values in fresh.items():
             optimizer.state[p] = values
         zero1_checkpoint.restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
+        clear_failed_step(optimizer)
 

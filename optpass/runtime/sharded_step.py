@@ -8,7 +8,7 @@ from optpass.capture import CapturedGraph, models_read, module_buffers
 from optpass.errors import OptpassError
 from optpass.passes.shard_optimizer import CONTEXT_KEY as SHARD_KEY, ShardPlan, choose_collectives
 from optpass.runtime.fused_step import FusedStep
-from optpass.zero1.agreement import explain_failed_collective
+from optpass.zero1.agreement import failed_step_error
 from optpass.zero1.layout import gradient_order, trainable_params
 from optpass.zero1.state import sharded_optimizer
 
@@ -100,10 +100,7 @@ class ShardedStep(FusedStep):
         except OptpassError:
             raise
         except RuntimeError as error:
-            pg = self.sharded.pg
-            raise OptpassError(
-                f"data_parallel='zero1': the step failed on rank {pg.rank} of {pg.world}: {error}\n"
-                f"{explain_failed_collective(pg.group)}") from error
+            raise failed_step_error("zero1", self.sharded.pg.group, error, self.optimizer) from error
 
     def _find_fused_parameters(self) -> None:
         if self._membership is not None:

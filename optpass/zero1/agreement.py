@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from optpass.errors import OptpassError
+from optpass.rank_failure import lost_ranks_sentence, mark_failed_step, remember_whereabouts, whereabouts
 
 _PREFIX = "optpass/agreement"
 _POLL_S = 0.02
@@ -127,16 +128,17 @@ def agree(group, kind: str, signature: list[tuple[str, Any]], payload: Any = Non
     prefix = f"{_PREFIX}/{name}/{started}"
     keys = [f"{prefix}/{r}" for r in range(len(ranks))]
     try:
-        store.set(f"{prefix}/{me}", pickle.dumps((signature, payload)))
+        store.set(f"{prefix}/{me}", pickle.dumps((signature, payload, whereabouts())))
         _wait(store, keys, ranks, me, kind, _timeout_s(store), started)
         posted = [pickle.loads(store.get(key)) for key in keys]
     except dist.DistError as error:
         raise RanksDisagree(_store_lost(kind, me, error)) from error
-    difference = _difference(kind, [s for s, _ in posted])
+    remember_whereabouts({ranks[r]: where for r, (_, _, where) in enumerate(posted)})
+    difference = _difference(kind, [s for s, _, _ in posted])
     if difference is not None:
         _wait_until_every_rank_has_read(store, prefix, len(ranks), me, _timeout_s(store))
         raise RanksDisagree(difference)
-    return [p for _, p in posted]
+    return [p for _, p, _ in posted]
 
 
 def _wait_until_every_rank_has_read(store, prefix: str, world: int, me: int, timeout_s: float) -> None:
@@ -213,18 +215,36 @@ def _difference(kind: str, signatures: list[list[tuple[str, Any]]]) -> str | Non
     return None
 
 
-def explain_failed_collective(group, waited_s: float = 1.0) -> str:
+def failed_step_error(kind: str, group, error: BaseException, optimizer) -> OptpassError:
+    """The error a rank raises when its data-parallel step failed (a collective broke off, or its own
+    error): a lost rank named first when this host knows it (optpass.rank_failure), the error, what
+    the other ranks reported, and what to do; the optimizer is marked as failed part-way, so that
+    a save of its half-updated state is refused."""
+    ranks = _global_ranks(group)
+    lost = lost_ranks_sentence(ranks)
+    rank, world = dist.get_rank(group), len(ranks)
+    message = (f"data_parallel={kind!r}: the step failed on rank {rank} of {world}"
+               f"{': ' + lost if lost else '.'} Its error: {error}\n{explain_failed_collective(group, lost)}\n"
+               "This step may have updated some parameters and not others, on each rank differently: restart "
+               "every rank from the last complete checkpoint (torchrun --max-restarts restarts them; "
+               "optpass.load_sharded_checkpoint resumes exactly). A save of this state is refused.")
+    mark_failed_step(optimizer, message)
+    return OptpassError(message)
+
+
+def explain_failed_collective(group, lost: str = "", waited_s: float = 1.0) -> str:
     """This rank's step failed (a collective broke off, or its own error): post that to the store
     and say what the other ranks did, for the error message. A rank whose collective broke off
-    while no other rank reports a failure was left alone: the others stopped calling the step."""
+    while no other rank reports a failure and none is `lost` was left alone: the others stopped
+    calling the step."""
     try:
         store, ranks = _store(), _global_ranks(group)
         me = dist.get_rank()
         store.set(f"{_PREFIX}/failed/{me}", b"1")
     except Exception:  # noqa: BLE001  (the store is gone with the other ranks: say what may have happened)
-        return ("The other ranks could not be asked what they did (the process group's store is gone: "
-                "they exited). A rank that stops calling the step, or fails, makes every other rank's "
-                "collectives fail.")
+        return ("The other ranks could not be asked what they did (the process group's store, in rank 0's "
+                "process, is gone: it exited or was killed). A rank that stops calling the step, or fails, "
+                "makes every other rank's collectives fail.")
     failed: list[int] = []
     deadline = time.monotonic() + waited_s
     while not failed and time.monotonic() < deadline:
@@ -236,6 +256,8 @@ def explain_failed_collective(group, waited_s: float = 1.0) -> str:
     if failed:
         return (f"Rank(s) {failed} failed in the step too: the first error among the ranks is the cause "
                 "(a rank that stops taking part in the collectives makes the others' fail).")
+    if lost:
+        return "No other rank reported a failure inside this step: the lost rank's collectives broke off."
     return ("No other rank reported a failure inside this step: another rank either stopped calling it "
             "(fewer batches on it than on this rank, or it went on to something else: every rank must "
             "call the compiled step the same number of times, e.g. DistributedSampler(..., "

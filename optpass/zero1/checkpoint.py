@@ -36,6 +36,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.checkpoint_files import publishing, require_complete
+from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.optim import low_bit_states
 from optpass.zero1.state import ShardedOptimizer, _SHARDED, sharded_optimizer, sharded_state
@@ -162,6 +163,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
         OptpassError: the optimizer is not sharded (yet), or a state entry is neither elementwise
             nor a scalar.
     """
+    refuse_saving_after_a_failed_step("save_sharded_checkpoint", optimizer, model)
     with _quiet():
         state = {OPTIMIZER_KEY: optimizer_state_dict(optimizer)}
         if model is not None:
@@ -219,6 +221,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
     install(state[OPTIMIZER_KEY])
     restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
     sharded.sync_lr()
+    clear_failed_step(optimizer)
 
 
 def _template(sharded: ShardedOptimizer, metadata: dict):
