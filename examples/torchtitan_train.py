@@ -18,7 +18,7 @@ What torchtitan does, and the optpass spelling of each piece:
   backward before the updates) and the update runs in backward (``optimizer_in_backward``);
 * checkpoints through ``torch.distributed.checkpoint`` with ``get_state_dict`` / ``set_state_dict``
   (DTensors of the full shapes: resumable on another number of ranks), the scheduler and the step
-  beside them;
+  in the same checkpoint (a resume takes the newest one with DCP's ``.metadata``, written last);
 * rank 0 logs loss, gradient norm, learning rate and tokens per second.
 
 The data is a fixed synthetic token stream, the same global batch at each step whatever the number
@@ -121,7 +121,9 @@ def global_batch(step: int, args):
 
 
 def newest_checkpoint(out: str) -> str | None:
-    steps = [int(d.split("-")[1]) for d in os.listdir(out) if d.startswith("step-")] if os.path.isdir(out) else []
+    """The newest complete checkpoint: DCP writes its .metadata last, so a save killed half-way is skipped."""
+    steps = [int(d.split("-")[1]) for d in os.listdir(out)
+             if d.startswith("step-") and os.path.exists(os.path.join(out, d, ".metadata"))] if os.path.isdir(out) else []
     return os.path.join(out, f"step-{max(steps)}") if steps else None
 
 
@@ -159,13 +161,13 @@ def main() -> None:
     resume_from = newest_checkpoint(args.out)
     if resume_from is not None:
         # torchtitan's resume: DCP reads each rank's rows of every tensor, whatever the saving world
+        # (the step and the scheduler are in the same checkpoint, as torchtitan's train state: saved together)
         model_state, optim_state = get_state_dict(model, opt)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": optim_state, "train": {"step": 0, "scheduler": scheduler.state_dict()}}
         dcp.load(state, checkpoint_id=resume_from)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(os.path.join(resume_from, "extra.pt"))
-        scheduler.load_state_dict(extra["scheduler"])
-        start = extra["step"]
+        scheduler.load_state_dict(state["train"]["scheduler"])
+        start = state["train"]["step"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {start} on {world} ranks", flush=True)
 
@@ -200,10 +202,8 @@ def main() -> None:
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             model_state, optim_state = get_state_dict(model, opt)
             where = os.path.join(args.out, f"step-{step + 1}")
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=where)
-            if rank == 0:
-                torch.save({"scheduler": scheduler.state_dict(), "step": step + 1}, os.path.join(where, "extra.pt"))
-            dist.barrier()
+            dcp.save({"model": model_state, "optim": optim_state,
+                      "train": {"step": step + 1, "scheduler": scheduler.state_dict()}}, checkpoint_id=where)
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"losses-from-{start}-rank{rank}.json"), "w") as f:

@@ -12,10 +12,14 @@ renames need every rank to see one filesystem, as DCP's ``FileSystemWriter`` doe
 delete it.
 
 ``require_complete`` is what ``load_sharded_checkpoint`` checks first: a directory without DCP's
-metadata, or with metadata that cannot be read (a truncated or foreign file), is an ``OptpassError``
-that says which and where the last complete checkpoint is, before anything of the model or the
-optimizer is touched. A ``checkpoint_id`` that is not a path (a storage writer or reader object)
-is passed to DCP as it is. Why written aside and renamed: docs/design.md §70.
+metadata, with metadata that cannot be read (a truncated or foreign file), or with a data file
+missing or shorter than the metadata says, is an ``OptpassError`` that says which and where the last
+complete checkpoint is, before anything of the model or the optimizer is touched. Then
+``load_checked`` compares what the load will read into with the metadata (``check_matches``: every
+entry there, of the same size, no model entry more): a checkpoint of another model, another
+optimizer class or another program is refused naming the first difference, on every rank alike,
+before DCP reads anything. A ``checkpoint_id`` that is not a path (a storage writer or reader object)
+is passed to DCP as it is. Why written aside and renamed: docs/design.md §70, §71.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from optpass.errors import OptpassError, name_list
 
@@ -111,6 +120,8 @@ def require_complete(checkpoint_id, what: str) -> None:
             problem = (f"its DCP metadata cannot be read ({type(error).__name__}: {str(error)[:200]}): the file is "
                        "cut short or is not DCP's")
     if problem is None:
+        problem = _cut_data_files(path)
+    if problem is None:
         return
     hints = []
     if sibling(path, PREVIOUS).is_dir():
@@ -119,3 +130,106 @@ def require_complete(checkpoint_id, what: str) -> None:
         hints.append(f"{sibling(path, INCOMPLETE)} is a save that did not finish (not loadable)")
     raise OptpassError(f"{what}: {path} is not a complete checkpoint: {problem}. Nothing was loaded"
                        + (f"; {'; '.join(hints)}." if hints else "."))
+
+
+def _cut_data_files(path: Path) -> str | None:
+    """What is missing of the data files the metadata points into (a file cut short or lost after the
+    save), or None: checked before a load reads any of them, so that none is half-read into a model."""
+    needed: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative, end in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            return f"its data file {relative} is missing"
+        size = file.stat().st_size
+        if size < end:
+            return f"its data file {relative} is cut short ({size} bytes; the metadata reads up to byte {end})"
+    return None
+
+
+def check_matches(checkpoint_id, state: dict, what: str) -> None:
+    """An ``OptpassError`` naming the first difference unless the checkpoint at `checkpoint_id` holds
+    every entry of `state` (the destination ``dcp.load`` will read into, flattened as DCP flattens
+    it) with the same global sizes, and no model entry that `state` lacks. Every rank sees the same
+    keys and global sizes, so every rank raises alike, before any collective of the load: nothing
+    of the model or the optimizer is changed."""
+    path = _path(checkpoint_id)
+    if path is None:
+        return
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted, _ = flatten_state_dict(state)
+    problem = None
+    for key, value in wanted.items():
+        if key not in saved:
+            problem = _missing(key)
+        elif isinstance(value, (torch.Tensor, ShardedTensor)) and hasattr(saved[key], "size") \
+                and tuple(saved[key].size) != tuple(value.size()):
+            head, _, rest = key.partition(".")
+            problem = (f"{'this model' if head == 'model' else 'the optimizer'}'s {rest} has size "
+                       f"{list(value.size())}, the checkpoint's {list(saved[key].size)}: it was saved from "
+                       "another model")
+        if problem is not None:
+            break
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k not in wanted)
+    if problem is None and extra and "model" in state:
+        problem = (f"it holds model entries this model lacks ({name_list(extra, 5)}): it was saved from another "
+                   "model")
+    if problem is not None:
+        raise OptpassError(f"{what}: the checkpoint at {path} does not match: {problem}. Nothing was loaded.")
+
+
+def _missing(key: str) -> str:
+    """An entry DCP would read that the checkpoint lacks, in a model's and an optimizer's terms."""
+    head, _, rest = key.partition(".")
+    if head == "model":
+        return f"this model's {rest} is not in it: it was saved from another model or by another program"
+    if rest.startswith("param_groups."):
+        index, _, setting = rest[len("param_groups."):].partition(".")
+        return (f"the optimizer's setting {setting!r} (param group {index}) is not in it: it was saved with "
+                "another optimizer class")
+    return f"{key} is not in it: it was saved from another optimizer or by another program"
+
+
+def load_checked(state: dict, checkpoint_id, group, what: str) -> None:
+    """``dcp.load(state, ...)`` of a checkpoint that ``check_matches`` `state` (else an OptpassError,
+    nothing read). Our ShardedTensors are never nested, so DCP's planner is told not to flatten them:
+    flattening drops one without local rows (a rank that holds none of a parameter with fewer rows
+    than ranks), and DCP then takes the missing key for a pre-2.4 checkpoint and reads the param
+    groups under their old keys, which fails ("Missing key in checkpoint state_dict:
+    optimizer.param_groups"). DCP's ``CheckpointException`` (a ``BaseException``, which ``except
+    Exception`` misses) becomes an OptpassError."""
+    check_matches(checkpoint_id, state, what)
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=group,
+                 planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    except CheckpointException as error:
+        raise OptpassError(f"{what}: torch.distributed.checkpoint could not load {checkpoint_id}: "
+                           f"{str(error).strip().splitlines()[-1]}") from error
+
+
+EXTRA_KEY = "extra"
+
+
+def with_extra(state: dict, extra) -> dict:
+    """`state` with the user's `extra` (the step, an LR scheduler's or a data loader's state: anything
+    ``torch.save`` can write) as one entry, saved in the same checkpoint and so published with it."""
+    if extra is not None:
+        state[EXTRA_KEY] = (extra,)         # a tuple: one entry for DCP, not flattened into its leaves
+    return state
+
+
+def expecting_extra(state: dict, checkpoint_id) -> dict:
+    """`state` with a place for the checkpoint's extra entry, if it has one (``loaded_extra`` reads it)."""
+    path = _path(checkpoint_id)
+    if path is not None and EXTRA_KEY in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        state[EXTRA_KEY] = None
+    return state
+
+
+def loaded_extra(state: dict):
+    """What ``save_sharded_checkpoint(..., extra=...)`` saved, after the load (None: nothing)."""
+    loaded = state.get(EXTRA_KEY)
+    return loaded[0] if isinstance(loaded, tuple) else None

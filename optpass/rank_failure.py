@@ -19,12 +19,15 @@ Either way the collective's own error names an address, not a rank. So:
   ``mark_failed_step`` records that for the optimizer, and ``save_sharded_checkpoint`` refuses
   to save such a state (``refuse_saving_after_a_failed_step``), so that the last checkpoint on
   disk stays the last consistent one; a restart resumes from it.
+
+What a rank can know of another's death, and why: docs/design.md §72.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -60,20 +63,26 @@ def _process_is_gone(pid: int) -> bool:
         return False
 
 
-def lost_ranks(global_ranks: list[int]) -> dict[int, str]:
-    """The ranks among `global_ranks` whose process is known to be gone, each with what is known of it."""
+def lost_ranks(global_ranks: list[int], wait_s: float = 0.0) -> dict[int, str]:
+    """The ranks among `global_ranks` whose process is known to be gone, each with what is known of it.
+    A dying process closes its sockets before it is gone (a zombie), so a rank whose collective just
+    broke looks again for up to `wait_s` while none is found."""
     host = socket.gethostname()
-    lost = {}
-    for rank in global_ranks:
-        where = _WHEREABOUTS.get(rank)
-        if where is not None and where[0] == host and where[1] != os.getpid() and _process_is_gone(where[1]):
-            lost[rank] = f"its process (pid {where[1]} on {host}) no longer runs: it was killed or exited"
-    return lost
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = {}
+        for rank in global_ranks:
+            where = _WHEREABOUTS.get(rank)
+            if where is not None and where[0] == host and where[1] != os.getpid() and _process_is_gone(where[1]):
+                lost[rank] = f"its process (pid {where[1]} on {host}) no longer runs: it was killed or exited"
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
 
 
-def lost_ranks_sentence(global_ranks: list[int]) -> str:
+def lost_ranks_sentence(global_ranks: list[int], wait_s: float = 0.0) -> str:
     """A sentence naming the lost ranks among `global_ranks`, or "" when none is known to be lost."""
-    lost = lost_ranks(global_ranks)
+    lost = lost_ranks(global_ranks, wait_s)
     if not lost:
         return ""
     return " ".join(f"Rank {rank} is lost: {what}." for rank, what in sorted(lost.items()))

@@ -15,20 +15,9 @@ import threading
 import time
 
 import torch
-import torch.nn as nn
 
 import optpass
-
-def _model_and_optimizer(kind: str):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-    if kind == "fsdp":
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                optpass.fully_shard(layer)
-        optpass.fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
+from sharded_training import compiled_step, sharded_model
 
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(100 * step + rank)
@@ -46,19 +35,9 @@ def _kill_myself_after(delay_s: float, stamp_path: str) -> None:
 
 def killed_mid_training(rank: int, world: int, kind: str, lower: str, killed: int, workdir: str) -> dict:
     torch.set_default_dtype(torch.float64)
-    model, opt = _model_and_optimizer(kind)
-
-    def train_step(x, y):
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        out = loss.detach()
-        opt.step()
-        opt.zero_grad()
-        return out
-
-    step = torch.compile(train_step, backend="optpass",
-                         options={"optimizer": opt, "data_parallel": kind, "optimizer_in_backward": True,
-                                  "lower": lower})
+    model = sharded_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = compiled_step(model, opt, kind, lower=lower)
     for i in range(3):
         step(*_batch(i, rank))
     checkpoint = os.path.join(workdir, "step-3")

@@ -7,6 +7,9 @@ through the same two functions (test_fsdp's checkpoint tests)."""
 
 from __future__ import annotations
 
+import pytest
+
+import bad_checkpoint_workers
 import zero1_workers as workers
 from distributed import run_ranks, values
 
@@ -28,3 +31,25 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_and_bad_ones_are_ref
         assert result["unchanged_by_refusals"] == 0.0
         assert result["loaded_new"] == 0.0
         assert result["left_at_end"] == ["ckpt"]           # the stale .incomplete removed, no .previous left
+
+
+@pytest.mark.parametrize("kind", ["zero1", "fsdp"])
+def test_a_checkpoint_of_another_model_optimizer_or_program_or_with_cut_data_is_refused(kind, tmp_path):
+    """Each refused on both ranks alike before anything is read (nothing of the model or the optimizer
+    state changes), naming what differs; then the good checkpoint loads exactly. Under fsdp one rank
+    holds none of the one-row head: such a checkpoint once failed to load at all (DCP dropped the
+    rank's empty piece and read the param groups under their pre-2.4 keys)."""
+    for result in values(run_ranks(2, bad_checkpoint_workers.bad_checkpoints, kind, str(tmp_path), timeout_s=300)):
+        refusals = result["refusals"]
+        assert "this model's 0.weight has size [16, 6], the checkpoint's [24, 6]: it was saved from another model" \
+            in refusals["wider model"]
+        assert "5.weight" in refusals["deeper model"] and "saved from another model" in refusals["deeper model"]
+        assert "the optimizer's setting 'betas' (param group 0) is not in it: it was saved with another optimizer" \
+            in refusals["other optimizer"]
+        assert ("this model's 0.weight is not in it: it was saved from another model or by another program"
+                in refusals["foreign"])
+        assert "is cut short (" in refusals["cut data"] and "is not a complete checkpoint" in refusals["cut data"]
+        assert "is missing" in refusals["lost data"]
+        assert all("Nothing was loaded" in message for message in refusals.values()), refusals
+        assert set(result["changed"].values()) == {0.0}, result["changed"]
+        assert result["good loaded"] == 0.0

@@ -23,7 +23,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from optpass.checkpoint_files import publishing, require_complete
+from optpass.checkpoint_files import expecting_extra, load_checked, loaded_extra, publishing, require_complete, with_extra
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
@@ -209,7 +209,7 @@ def _refuse_unsharded_optimizer(optimizer, names) -> None:
 
 
 def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
-                            model: torch.nn.Module | None = None) -> None:
+                            model: torch.nn.Module | None = None, extra=None) -> None:
     """Save a sharded training state with ``torch.distributed.checkpoint``; call on every rank.
 
     For a model passed to ``optpass.fully_shard``: its parameters and the optimizer's state, each
@@ -222,22 +222,26 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         checkpoint_id: where to save (DCP's ``checkpoint_id``, e.g. a directory path).
         optimizer: the optimizer (None: a fully sharded model's parameters only).
         model: the model (needed for a fully sharded one).
+        extra: what else the run needs to resume (the step, an LR scheduler's ``state_dict()``, a
+            data loader's position): anything ``torch.save`` writes, saved in the same checkpoint
+            (so published with it); ``load_sharded_checkpoint`` returns it.
 
     Raises:
         OptpassError: neither a fully sharded model nor a zero1 optimizer; optimizer state that is
-            neither elementwise nor a scalar.
+            neither elementwise nor a scalar; a training step failed part-way since the last load
+            (its state may be half-updated: optpass/rank_failure.py).
     """
     optimizer = _one_optimizer(optimizer, model)
     if model is None or not sharded_parameters(model):
         if optimizer is None:
             raise OptpassError("save_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
-        zero1_checkpoint.save_sharded_checkpoint(checkpoint_id, optimizer, model=model)
+        zero1_checkpoint.save_sharded_checkpoint(checkpoint_id, optimizer, model=model, extra=extra)
         return
     _refuse_two_dimensional(model, "save_sharded_checkpoint")
     refuse_saving_after_a_failed_step("save_sharded_checkpoint", optimizer, model)
     group = sharded_parameters(model)[0][2].group
     with publishing(checkpoint_id, group) as writing_to:
-        dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=writing_to, process_group=group)
+        dcp.save(with_extra(fsdp_state_dict(model, optimizer), extra), checkpoint_id=writing_to, process_group=group)
 
 
 def _refuse_two_dimensional(model, what: str) -> None:
@@ -267,7 +271,7 @@ def _one_optimizer(optimizer, model=None):
 
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
-                            model: torch.nn.Module | None = None, **zero1_options) -> None:
+                            model: torch.nn.Module | None = None, **zero1_options):
     """Load a checkpoint saved by ``save_sharded_checkpoint``, on any number of ranks; call on every rank.
 
     For a fully sharded model (``optpass.fully_shard`` on this world size): its parameters, and
@@ -281,6 +285,9 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         model: the model (needed for a fully sharded one).
         **zero1_options: process_group, partition, bucket_bytes, master_weights (zero1 only).
 
+    Returns:
+        The ``extra`` the checkpoint was saved with (None: none).
+
     Raises:
         OptpassError: neither a fully sharded model nor an optimizer; no complete checkpoint at
             ``checkpoint_id`` (a save that did not finish, a cut or foreign file: nothing is loaded);
@@ -290,8 +297,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     if model is None or not sharded_parameters(model):
         if optimizer is None:
             raise OptpassError("load_sharded_checkpoint needs the optimizer (zero1) or a fully sharded model.")
-        zero1_checkpoint.load_sharded_checkpoint(checkpoint_id, optimizer, model=model, **zero1_options)
-        return
+        return zero1_checkpoint.load_sharded_checkpoint(checkpoint_id, optimizer, model=model, **zero1_options)
     if zero1_options:
         raise OptpassError(f"load_sharded_checkpoint: {sorted(zero1_options)} are zero1's options; a fully "
                            "sharded model takes none.")
@@ -321,7 +327,9 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             rest = fqn[len(prefix):]
             name = next((n for n in sorted(by_name, key=len, reverse=True) if rest.startswith(n + ".")), None)
             if name is None:
-                raise OptpassError(f"fsdp checkpoint: optimizer state {rest!r} names no parameter of this model.")
+                raise OptpassError(f"load_sharded_checkpoint: the checkpoint at {checkpoint_id} does not match: it "
+                                   f"holds optimizer state {rest!r}, of no parameter of this model: it was saved from "
+                                   "another model. Nothing was loaded.")
             key = rest[len(name) + 1:]
             p, spec = by_name[name], shard_spec(by_name[name])
             size = tuple(getattr(md, "size", ()) or ())
@@ -341,7 +349,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
                 target[key] = torch.zeros(size, dtype=md.properties.dtype)
                 entries.setdefault(name, {})[key] = target[key]
         state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
-    dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
+    load_checked(expecting_extra(state, checkpoint_id), checkpoint_id, group, "load_sharded_checkpoint")
     if low_bit is not None:
         low_bit.finish()
     with torch.no_grad():
@@ -358,4 +366,5 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             optimizer.state[p] = values
         zero1_checkpoint.restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
         clear_failed_step(optimizer)
+    return loaded_extra(state)
 

@@ -43,6 +43,7 @@ _PREFIX = "optpass/agreement"
 _POLL_S = 0.02
 UNDISTRIBUTED_GRACE_S = 60.0
 REFUSAL_GRACE_S = 10.0
+LOST_RANK_WAIT_S = 3.0      # a killed process's sockets close before it is gone: how long to look for it
 # Agreements started in this process, a refusal at compile time counting as one: every rank of a
 # group counts the same steps, so the count names this agreement's keys and tells a stale refusal
 # or announcement (made for an earlier step) from one made for this step.
@@ -221,7 +222,7 @@ def failed_step_error(kind: str, group, error: BaseException, optimizer) -> Optp
     the other ranks reported, and what to do; the optimizer is marked as failed part-way, so that
     a save of its half-updated state is refused."""
     ranks = _global_ranks(group)
-    lost = lost_ranks_sentence(ranks)
+    lost = lost_ranks_sentence(ranks, wait_s=LOST_RANK_WAIT_S)
     rank, world = dist.get_rank(group), len(ranks)
     message = (f"data_parallel={kind!r}: the step failed on rank {rank} of {world}"
                f"{': ' + lost if lost else '.'} Its error: {error}\n{explain_failed_collective(group, lost)}\n"

@@ -35,7 +35,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from optpass.checkpoint_files import publishing, require_complete
+from optpass.checkpoint_files import (check_matches, expecting_extra, load_checked, loaded_extra, publishing,
+                                      require_complete, with_extra)
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.optim import low_bit_states
@@ -146,7 +147,8 @@ def _param_groups(optimizer) -> list[dict]:
              "params": [params[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
 
 
-def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:
+def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                            extra=None) -> None:
     """Save this rank's optimizer shard (and the model, if given) with DCP; call on every rank.
 
     The state is stored in a layout-free form (``optimizer_state_dict``), so the checkpoint loads
@@ -158,6 +160,9 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
         optimizer: the user's optimizer, sharded by a step compiled with
             ``data_parallel="zero1"``.
         model: also save ``model.state_dict()`` under ``"model"``; None: the optimizer only.
+        extra: what else the run needs to resume (the step, an LR scheduler's ``state_dict()``):
+            anything ``torch.save`` writes, saved with the rest (``load_sharded_checkpoint``
+            returns it).
 
     Raises:
         OptpassError: the optimizer is not sharded (yet), or a state entry is neither elementwise
@@ -170,12 +175,12 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
             state["model"] = model.state_dict()
         group = _sharded(optimizer).pg.group
         with publishing(checkpoint_id, group) as writing_to:
-            dcp.save(state, checkpoint_id=writing_to, process_group=group)
+            dcp.save(with_extra(state, extra), checkpoint_id=writing_to, process_group=group)
 
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
                             process_group=None, partition: str = "even",
-                            bucket_bytes: int | None = None, master_weights: torch.dtype | None = None) -> None:
+                            bucket_bytes: int | None = None, master_weights: torch.dtype | None = None):
     """Load a checkpoint saved by save_sharded_checkpoint, on any number of ranks; call on every rank.
 
     Call it before (or between) steps of a step compiled with the same
@@ -192,6 +197,9 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
         partition: the step's ``partition`` option (``"even"`` or ``"greedy"``).
         bucket_bytes: the step's ``bucket_bytes`` option (None: its default).
         master_weights: the step's ``master_weights`` option (``torch.float32``, or None).
+
+    Returns:
+        The ``extra`` the checkpoint was saved with (None: none).
 
     Raises:
         OptpassError: torch.distributed is not initialized; the optimizer is already sharded
@@ -210,18 +218,40 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
     sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
                                                           master_dtype=master_weights)
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    if model is not None:      # before the optimizer's template: each rank builds that for its pieces only
+        check_matches(checkpoint_id, {"model": model.state_dict()}, "load_sharded_checkpoint")
     with _quiet():
         template, install = _template(sharded, metadata)
         state = {OPTIMIZER_KEY: template}
         if model is not None:
             state["model"] = model.state_dict()
-        dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded.pg.group)
+        load_checked(expecting_extra(state, checkpoint_id), checkpoint_id, sharded.pg.group,
+                     "load_sharded_checkpoint")
     if model is not None:
         model.load_state_dict(state["model"])
     install(state[OPTIMIZER_KEY])
     restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
     sharded.sync_lr()
     clear_failed_step(optimizer)
+    return loaded_extra(state)
+
+
+def _refuse_other_shapes(sharded: ShardedOptimizer, saved_keys: dict[int, dict[str, object]]) -> None:
+    """Every rank alike (over every parameter, not its own pieces): the checkpoint's optimizer state is
+    of as many parameters as this optimizer's, each entry either a scalar or of its parameter's size."""
+    shapes = sharded.layout.shapes
+    for param, entries in sorted(saved_keys.items()):
+        if param >= len(shapes):
+            raise OptpassError(f"load_sharded_checkpoint: the checkpoint does not match: it holds optimizer state of "
+                               f"parameter {param}, and this optimizer has {len(shapes)}: it was saved from another "
+                               "model. Nothing was loaded.")
+        for key, md in entries.items():
+            size = tuple(getattr(md, "size", ()) or ())
+            if "." not in key and len(size) == 1 and size[0] not in (1, shapes[param].numel()):
+                raise OptpassError(f"load_sharded_checkpoint: the checkpoint does not match: optimizer state {key!r} "
+                                   f"of parameter {param} has {size[0]} elements, the parameter "
+                                   f"{shapes[param].numel()} ({list(shapes[param])}): it was saved from another "
+                                   "model. Nothing was loaded.")
 
 
 def _template(sharded: ShardedOptimizer, metadata: dict):
@@ -232,8 +262,11 @@ def _template(sharded: ShardedOptimizer, metadata: dict):
         if fqn.startswith(prefix):
             param, key = fqn[len(prefix):].split(".", 1)
             saved_keys.setdefault(int(param), {})[key] = md
+    _refuse_other_shapes(sharded, saved_keys)
     if not saved_keys:
-        raise OptpassError("zero1 checkpoint: no optimizer state found in this checkpoint.")
+        raise OptpassError("load_sharded_checkpoint: the checkpoint holds no optimizer state under "
+                           f"{OPTIMIZER_KEY!r}: it was saved without the optimizer, or by another program "
+                           "(optpass.save_sharded_checkpoint saves it). Nothing was loaded.")
     template: dict[str, dict] = {}
     new_state: dict[torch.Tensor, dict] = {}
     without_masters: set[int] = set()      # buckets whose masters the checkpoint lacks
