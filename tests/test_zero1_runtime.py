@@ -37,11 +37,14 @@ def test_a_failing_rank_makes_every_rank_fail_without_hanging(linger_s):
     assert all(isinstance(r, RankError) for r in results), results
     assert "fake tensor" in results[1].message, results[1]      # its own error (Dynamo: bad shape)
     waiting = results[0]
-    assert waiting.type == "OptpassError"
-    assert "failed on rank 0 of 2" in waiting.message and "another rank" in waiting.message
+    assert waiting.type == "OptpassError", waiting
+    # rank 1 raised outside the step and exited: once its process is gone it is named as lost
+    assert "failed on rank 0 of 2" in waiting.message
+    assert "another rank" in waiting.message or "Rank 1 is lost" in waiting.message, waiting.message
     # before the lingering rank exits (30 s): the timeout ended the wait; the slack is compile
     # time on a loaded 2-core machine (18.96 s measured once with other test runs beside it)
-    assert waiting.elapsed_s < 5 + 20
+    # (+ 1.5 s: the survivor looks that long for a dying process to name, optpass/rank_failure.py)
+    assert waiting.elapsed_s < 5 + 20 + 1.5, waiting
 
 
 def test_different_models_across_ranks_are_caught_at_compile_time():

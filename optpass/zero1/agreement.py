@@ -43,7 +43,7 @@ _PREFIX = "optpass/agreement"
 _POLL_S = 0.02
 UNDISTRIBUTED_GRACE_S = 60.0
 REFUSAL_GRACE_S = 10.0
-LOST_RANK_WAIT_S = 3.0      # a killed process's sockets close before it is gone: how long to look for it
+LOST_RANK_WAIT_S = 1.5      # a killed process's sockets close before it is gone: how long to look for it
 # Agreements started in this process, a refusal at compile time counting as one: every rank of a
 # group counts the same steps, so the count names this agreement's keys and tells a stale refusal
 # or announcement (made for an earlier step) from one made for this step.
@@ -224,8 +224,9 @@ def failed_step_error(kind: str, group, error: BaseException, optimizer) -> Optp
     ranks = _global_ranks(group)
     lost = lost_ranks_sentence(ranks, wait_s=LOST_RANK_WAIT_S)
     rank, world = dist.get_rank(group), len(ranks)
+    others = explain_failed_collective(group, lost, waited_s=0.2 if lost else 1.0)
     message = (f"data_parallel={kind!r}: the step failed on rank {rank} of {world}"
-               f"{': ' + lost if lost else '.'} Its error: {error}\n{explain_failed_collective(group, lost)}\n"
+               f"{': ' + lost if lost else '.'} Its error: {error}\n{others}\n"
                "This step may have updated some parameters and not others, on each rank differently: restart "
                "every rank from the last complete checkpoint (torchrun --max-restarts restarts them; "
                "optpass.load_sharded_checkpoint resumes exactly). A save of this state is refused.")
@@ -258,7 +259,8 @@ def explain_failed_collective(group, lost: str = "", waited_s: float = 1.0) -> s
         return (f"Rank(s) {failed} failed in the step too: the first error among the ranks is the cause "
                 "(a rank that stops taking part in the collectives makes the others' fail).")
     if lost:
-        return "No other rank reported a failure inside this step: the lost rank's collectives broke off."
+        return ("No other rank reported a failure inside this step: the lost rank's collectives broke off (if it "
+                "was not killed, its own output says why it exited).")
     return ("No other rank reported a failure inside this step: another rank either stopped calling it "
             "(fewer batches on it than on this rank, or it went on to something else: every rank must "
             "call the compiled step the same number of times, e.g. DistributedSampler(..., "
