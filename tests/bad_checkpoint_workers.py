@@ -76,4 +76,14 @@ def bad_checkpoints(rank: int, world: int, kind: str, workdir: str) -> dict:
         dist.barrier()
     optpass.load_sharded_checkpoint(places["good"], opt, model=model)
     loaded = max((a - b).abs().max().item() for a, b in zip(_state(model, opt), saved))
-    return {"refusals": refusals, "changed": changed, "good loaded": loaded}
+    # a resume whose optimizer is built with other settings trains with the checkpoint's, as torch's
+    # load_state_dict does (zero1 once kept the code's betas and weight decay in its shard optimizer)
+    other = sharded_model(kind)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5, betas=(0.8, 0.9), weight_decay=0.5)
+    other_step = compiled_step(other, other_opt, kind)
+    optpass.load_sharded_checkpoint(places["good"], other_opt, model=other)
+    batch = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+    step(*batch)
+    other_step(*batch)
+    settings = max((a - b).abs().max().item() for a, b in zip(other.parameters(), model.parameters()))
+    return {"refusals": refusals, "changed": changed, "good loaded": loaded, "other settings in code": settings}

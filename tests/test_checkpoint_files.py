@@ -53,3 +53,4 @@ def test_a_checkpoint_of_another_model_optimizer_or_program_or_with_cut_data_is_
         assert all("Nothing was loaded" in message for message in refusals.values()), refusals
         assert set(result["changed"].values()) == {0.0}, result["changed"]
         assert result["good loaded"] == 0.0
+        assert result["other settings in code"] == 0.0

@@ -231,7 +231,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
         model.load_state_dict(state["model"])
     install(state[OPTIMIZER_KEY])
     restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
-    sharded.sync_lr()
+    sharded.sync_hyperparameters()          # every saved setting, not only lr (the step reads the shards')
     clear_failed_step(optimizer)
     return loaded_extra(state)
 
@@ -246,6 +246,12 @@ def _refuse_other_shapes(sharded: ShardedOptimizer, saved_keys: dict[int, dict[s
                                f"parameter {param}, and this optimizer has {len(shapes)}: it was saved from another "
                                "model. Nothing was loaded.")
         for key, md in entries.items():
+            inner = key.partition(".")[2]
+            if inner and inner not in ("codes", "scale"):       # zero1 saves "<index>.<key>[.codes|.scale]"
+                raise OptpassError(f"load_sharded_checkpoint: the checkpoint does not match: its optimizer state "
+                                   f"{param}.{key!r} is named by parameter, as a fully sharded model's "
+                                   "(optpass.fully_shard) is saved, not by index as a zero1 optimizer's: load it "
+                                   "into the fully sharded model it was saved from. Nothing was loaded.")
             size = tuple(getattr(md, "size", ()) or ())
             if "." not in key and len(size) == 1 and size[0] not in (1, shapes[param].numel()):
                 raise OptpassError(f"load_sharded_checkpoint: the checkpoint does not match: optimizer state {key!r} "

@@ -184,6 +184,14 @@ class ShardedOptimizer:
         for mine, g in zip(self.shard_optimizer.param_groups, self.user_group):
             mine["lr"] = self.optimizer.param_groups[g]["lr"]
 
+    def sync_hyperparameters(self) -> None:
+        """A checkpoint's param groups were restored into the user's optimizer: the shard optimizer's
+        groups take every setting (betas, weight_decay, ...), as they did from the user's when made."""
+        if self.shard_optimizer is None:
+            return
+        for mine, g in zip(self.shard_optimizer.param_groups, self.user_group):
+            mine.update({k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"})
+
     def state_bytes(self) -> int:
         """Bytes of optimizer-state tensors on this rank (the shard optimizer's; 0 without one)."""
         if self.shard_optimizer is None:
