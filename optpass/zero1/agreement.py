@@ -158,9 +158,11 @@ def _wait_until_every_rank_has_read(store, prefix: str, world: int, me: int, tim
 
 def _store_lost(kind: str, me: int, error: Exception) -> str:
     return (f"data_parallel={kind!r}: this rank ({me}) lost the process group's store while the ranks "
-            "compared what they run (the store lives in rank 0's process: rank 0 exited, or failed before "
-            "it joined this step; its own error is the cause). Every rank must build the same model and "
-            f"compile the same step with the same options. The store's error: {str(error).splitlines()[0]}")
+            "compared what they run: the store lives in rank 0's process, and rank 0 was killed, exited, or "
+            "failed before it joined this step (its own output says which). If it failed on an error, that "
+            "error is the cause; if it was killed, restart the job from the last complete checkpoint "
+            "(docs/fsdp.md, 'When a rank fails'). The store's error: "
+            f"{str(error).splitlines()[0]}")
 
 
 def _wait(store, keys, ranks, me, kind, timeout_s, started) -> None:
