@@ -233,3 +233,14 @@ def loaded_extra(state: dict):
     """What ``save_sharded_checkpoint(..., extra=...)`` saved, after the load (None: nothing)."""
     loaded = state.get(EXTRA_KEY)
     return loaded[0] if isinstance(loaded, tuple) else None
+
+
+def save(state: dict, writing_to, group, what: str) -> None:
+    """``dcp.save``, its ``CheckpointException`` (a ``BaseException``: an ``extra`` that cannot be
+    pickled, a full disk) turned into an OptpassError; nothing is published (``publishing``)."""
+    try:
+        dcp.save(state, checkpoint_id=writing_to, process_group=group)
+    except CheckpointException as error:
+        raise OptpassError(f"{what}: torch.distributed.checkpoint could not save: "
+                           f"{str(error).strip().splitlines()[-1]}. Nothing was published; the previous "
+                           "checkpoint at this path, if any, is kept.") from error

@@ -86,4 +86,11 @@ def bad_checkpoints(rank: int, world: int, kind: str, workdir: str) -> dict:
     step(*batch)
     other_step(*batch)
     settings = max((a - b).abs().max().item() for a, b in zip(other.parameters(), model.parameters()))
-    return {"refusals": refusals, "changed": changed, "good loaded": loaded, "other settings in code": settings}
+    try:                                   # an extra that cannot be pickled: refused, the good one kept
+        optpass.save_sharded_checkpoint(places["good"], opt, model=model, extra={"f": lambda: 0})
+        unpicklable = "saved"
+    except optpass.OptpassError as error:
+        unpicklable = str(error)
+    kept = os.path.exists(os.path.join(places["good"], ".metadata"))
+    return {"refusals": refusals, "changed": changed, "good loaded": loaded, "other settings in code": settings,
+            "unpicklable extra": unpicklable, "good kept": kept}

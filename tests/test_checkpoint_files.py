@@ -54,3 +54,5 @@ def test_a_checkpoint_of_another_model_optimizer_or_program_or_with_cut_data_is_
         assert set(result["changed"].values()) == {0.0}, result["changed"]
         assert result["good loaded"] == 0.0
         assert result["other settings in code"] == 0.0
+        assert "could not save" in result["unpicklable extra"] and "Nothing was published" in result["unpicklable extra"]
+        assert result["good kept"]

@@ -23,7 +23,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from optpass.checkpoint_files import expecting_extra, load_checked, loaded_extra, publishing, require_complete, with_extra
+from optpass.checkpoint_files import (expecting_extra, load_checked, loaded_extra, publishing, require_complete,
+                                      save, with_extra)
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
@@ -241,7 +242,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
     refuse_saving_after_a_failed_step("save_sharded_checkpoint", optimizer, model)
     group = sharded_parameters(model)[0][2].group
     with publishing(checkpoint_id, group) as writing_to:
-        dcp.save(with_extra(fsdp_state_dict(model, optimizer), extra), checkpoint_id=writing_to, process_group=group)
+        save(with_extra(fsdp_state_dict(model, optimizer), extra), writing_to, group, "save_sharded_checkpoint")
 
 
 def _refuse_two_dimensional(model, what: str) -> None:

@@ -36,7 +36,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from optpass.checkpoint_files import (check_matches, expecting_extra, load_checked, loaded_extra, publishing,
-                                      require_complete, with_extra)
+                                      require_complete, save, with_extra)
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.optim import low_bit_states
@@ -175,7 +175,7 @@ def save_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
             state["model"] = model.state_dict()
         group = _sharded(optimizer).pg.group
         with publishing(checkpoint_id, group) as writing_to:
-            dcp.save(with_extra(state, extra), checkpoint_id=writing_to, process_group=group)
+            save(with_extra(state, extra), writing_to, group, "save_sharded_checkpoint")
 
 
 def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
