@@ -37,11 +37,13 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 
 from optpass.errors import OptpassError, name_list
 
 INCOMPLETE = ".incomplete"
 PREVIOUS = ".previous"
+EXTRA_KEY = "extra"          # the user's ``extra`` in a checkpoint (``with_extra``)
 
 
 def _path(checkpoint_id) -> Path | None:
@@ -103,26 +105,28 @@ def _publish(temporary: Path, final: Path) -> None:
         shutil.rmtree(previous)
 
 
-def require_complete(checkpoint_id, what: str) -> None:
-    """An ``OptpassError`` unless `checkpoint_id` holds a checkpoint whose metadata DCP can read."""
+def require_complete(checkpoint_id, what: str) -> Metadata | None:
+    """The checkpoint's DCP metadata, read once for the whole load (None: `checkpoint_id` is not a
+    path); an ``OptpassError`` unless it holds a checkpoint whose metadata DCP can read and whose
+    data files are all there, whole."""
     path = _path(checkpoint_id)
     if path is None:
-        return
-    problem = None
+        return None
+    problem, metadata = None, None
     if not path.is_dir():
         problem = "there is no checkpoint directory there"
     else:
         try:
-            dcp.FileSystemReader(str(path)).read_metadata()
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
         except FileNotFoundError:
             problem = "it has no DCP metadata (.metadata): a save to it did not finish, or it is not a DCP checkpoint"
         except Exception as error:          # noqa: BLE001  (unpickling a cut or foreign file raises anything)
             problem = (f"its DCP metadata cannot be read ({type(error).__name__}: {str(error)[:200]}): the file is "
                        "cut short or is not DCP's")
     if problem is None:
-        problem = _cut_data_files(path)
+        problem = _cut_data_files(path, metadata)
     if problem is None:
-        return
+        return metadata
     hints = []
     if sibling(path, PREVIOUS).is_dir():
         hints.append(f"the checkpoint it was replacing is at {sibling(path, PREVIOUS)}: load that one")
@@ -132,11 +136,11 @@ def require_complete(checkpoint_id, what: str) -> None:
                        + (f"; {'; '.join(hints)}." if hints else "."))
 
 
-def _cut_data_files(path: Path) -> str | None:
+def _cut_data_files(path: Path, metadata: Metadata) -> str | None:
     """What is missing of the data files the metadata points into (a file cut short or lost after the
     save), or None: checked before a load reads any of them, so that none is half-read into a model."""
     needed: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+    for info in metadata.storage_data.values():
         relative = getattr(info, "relative_path", None)
         if relative is not None:
             needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
@@ -150,16 +154,17 @@ def _cut_data_files(path: Path) -> str | None:
     return None
 
 
-def check_matches(checkpoint_id, state: dict, what: str) -> None:
-    """An ``OptpassError`` naming the first difference unless the checkpoint at `checkpoint_id` holds
-    every entry of `state` (the destination ``dcp.load`` will read into, flattened as DCP flattens
-    it) with the same global sizes, and no model entry that `state` lacks. Every rank sees the same
-    keys and global sizes, so every rank raises alike, before any collective of the load: nothing
-    of the model or the optimizer is changed."""
-    path = _path(checkpoint_id)
-    if path is None:
+def check_matches(checkpoint_id, metadata: Metadata | None, state: dict, what: str) -> None:
+    """An ``OptpassError`` naming the first difference unless the checkpoint at `checkpoint_id` (its
+    `metadata` from ``require_complete``; None: nothing to check) holds every entry of `state` (the
+    destination ``dcp.load`` will read into, flattened as DCP flattens it) with the same global
+    sizes, and no model entry that `state` lacks. Every rank sees the same keys and global sizes, so
+    every rank raises alike, before any collective of the load: nothing of the model or the
+    optimizer is changed."""
+    if metadata is None:
         return
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    path = _path(checkpoint_id)
+    saved = metadata.state_dict_metadata
     wanted, _ = flatten_state_dict(state)
     problem = None
     for key, value in wanted.items():
@@ -193,24 +198,28 @@ def _missing(key: str) -> str:
     return f"{key} is not in it: it was saved from another optimizer or by another program"
 
 
-def load_checked(state: dict, checkpoint_id, group, what: str) -> None:
+def load_checked(state: dict, checkpoint_id, metadata: Metadata | None, group, what: str):
     """``dcp.load(state, ...)`` of a checkpoint that ``check_matches`` `state` (else an OptpassError,
-    nothing read). Our ShardedTensors are never nested, so DCP's planner is told not to flatten them:
-    flattening drops one without local rows (a rank that holds none of a parameter with fewer rows
-    than ranks), and DCP then takes the missing key for a pre-2.4 checkpoint and reads the param
-    groups under their old keys, which fails ("Missing key in checkpoint state_dict:
-    optimizer.param_groups"). DCP's ``CheckpointException`` (a ``BaseException``, which ``except
-    Exception`` misses) becomes an OptpassError."""
-    check_matches(checkpoint_id, state, what)
+    nothing read), with a place for the ``extra`` it was saved with; returns that extra (None: none).
+
+    Our ShardedTensors are never nested, so DCP's planner is told not to flatten them: flattening
+    drops one without local rows (a rank that holds none of a parameter with fewer rows than ranks),
+    and DCP then takes the missing key for a pre-2.4 checkpoint and reads the param groups under
+    their old keys, which fails ("Missing key in checkpoint state_dict: optimizer.param_groups").
+    DCP's ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses) becomes
+    an OptpassError."""
+    if metadata is not None and EXTRA_KEY in metadata.state_dict_metadata:
+        state[EXTRA_KEY] = None                  # read into (``with_extra`` saved it)
+    check_matches(checkpoint_id, metadata, state, what)
     try:
         dcp.load(state, checkpoint_id=checkpoint_id, process_group=group,
                  planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
     except CheckpointException as error:
         raise OptpassError(f"{what}: torch.distributed.checkpoint could not load {checkpoint_id}: "
                            f"{str(error).strip().splitlines()[-1]}") from error
+    loaded = state.get(EXTRA_KEY)
+    return loaded[0] if isinstance(loaded, tuple) else None
 
-
-EXTRA_KEY = "extra"
 
 
 def with_extra(state: dict, extra) -> dict:
@@ -219,20 +228,6 @@ def with_extra(state: dict, extra) -> dict:
     if extra is not None:
         state[EXTRA_KEY] = (extra,)         # a tuple: one entry for DCP, not flattened into its leaves
     return state
-
-
-def expecting_extra(state: dict, checkpoint_id) -> dict:
-    """`state` with a place for the checkpoint's extra entry, if it has one (``loaded_extra`` reads it)."""
-    path = _path(checkpoint_id)
-    if path is not None and EXTRA_KEY in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
-        state[EXTRA_KEY] = None
-    return state
-
-
-def loaded_extra(state: dict):
-    """What ``save_sharded_checkpoint(..., extra=...)`` saved, after the load (None: nothing)."""
-    loaded = state.get(EXTRA_KEY)
-    return loaded[0] if isinstance(loaded, tuple) else None
 
 
 def save(state: dict, writing_to, group, what: str) -> None:

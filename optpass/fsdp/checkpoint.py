@@ -23,8 +23,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from optpass.checkpoint_files import (expecting_extra, load_checked, loaded_extra, publishing, require_complete,
-                                      save, with_extra)
+from optpass.checkpoint_files import load_checked, publishing, require_complete, save, with_extra
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.fsdp.materialize import finish_initialization, mark_written, refuse_meta, write_back_alive
@@ -303,7 +302,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
         raise OptpassError(f"load_sharded_checkpoint: {sorted(zero1_options)} are zero1's options; a fully "
                            "sharded model takes none.")
     _refuse_two_dimensional(model, "load_sharded_checkpoint")
-    require_complete(checkpoint_id, "load_sharded_checkpoint")
+    metadata = require_complete(checkpoint_id, "load_sharded_checkpoint")
     group = sharded_parameters(model)[0][2].group
     names = _names(model)
     by_name = {name: p for name, p, _ in sharded_parameters(model)}
@@ -319,10 +318,10 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
             fresh = {p: low_bit_states.new_state(optimizer, p, group_of[id(p)]) for p in by_name.values()
                      if id(p) in group_of}
-        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
         entries: dict[str, dict] = {}
         prefix = f"{OPTIMIZER_KEY}.state."
-        for fqn, md in metadata.items():
+        saved = (metadata or dcp.FileSystemReader(checkpoint_id).read_metadata()).state_dict_metadata
+        for fqn, md in saved.items():
             if not fqn.startswith(prefix):
                 continue
             rest = fqn[len(prefix):]
@@ -335,7 +334,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             p, spec = by_name[name], shard_spec(by_name[name])
             size = tuple(getattr(md, "size", ()) or ())
             target = fresh.setdefault(p, {})
-            if low_bit is None and key.rpartition(".")[2] in low_bit_checkpoint.INNER_NAMES:
+            if low_bit is None and key.rpartition(".")[2] in low_bit_states.INNER_NAMES:
                 raise OptpassError(
                     f"fsdp checkpoint: optimizer state {key!r} of {name} is a quantized moment's, saved with one of "
                     f"torchao's low-bit optimizers: load it with the optimizer class it was saved with, not "
@@ -350,7 +349,7 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
                 target[key] = torch.zeros(size, dtype=md.properties.dtype)
                 entries.setdefault(name, {})[key] = target[key]
         state[OPTIMIZER_KEY] = {"state": entries, "param_groups": _param_groups(optimizer, names)}
-    load_checked(expecting_extra(state, checkpoint_id), checkpoint_id, group, "load_sharded_checkpoint")
+    extra = load_checked(state, checkpoint_id, metadata, group, "load_sharded_checkpoint")
     if low_bit is not None:
         low_bit.finish()
     with torch.no_grad():
@@ -367,5 +366,5 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer | No
             optimizer.state[p] = values
         zero1_checkpoint.restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
         clear_failed_step(optimizer)
-    return loaded_extra(state)
+    return extra
 

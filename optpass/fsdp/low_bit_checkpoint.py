@@ -39,10 +39,6 @@ from optpass.fsdp.shard import ShardSpec
 from optpass.optim import low_bit_states
 
 
-# the inner tensors of torchao's quantized moments a checkpoint holds (``state.<name>.exp_avg.codes``)
-INNER_NAMES = ("codes", "scale")
-
-
 def _elements_per_row(spec: ShardSpec) -> int:
     return spec.numel // spec.rows if spec.rows else 0
 

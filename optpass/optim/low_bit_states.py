@@ -137,6 +137,8 @@ def is_quantized(value) -> bool:
 
 # Inner tensors of torchao's quantized states that do not grow with the state (the quantization map)
 _FIXED_INNER = ("qmap",)
+# The inner tensors that hold a quantized state's elements (``inner_rows``): what a checkpoint saves of it
+INNER_NAMES = ("codes", "scale")
 
 
 def inner_rows(value) -> dict[str, Fraction]:

@@ -35,8 +35,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from optpass.checkpoint_files import (check_matches, expecting_extra, load_checked, loaded_extra, publishing,
-                                      require_complete, save, with_extra)
+from optpass.checkpoint_files import check_matches, load_checked, publishing, require_complete, save, with_extra
 from optpass.rank_failure import clear_failed_step, refuse_saving_after_a_failed_step
 from optpass.errors import OptpassError
 from optpass.optim import low_bit_states
@@ -214,26 +213,25 @@ def load_sharded_checkpoint(checkpoint_id, optimizer: torch.optim.Optimizer, mod
             "single process) or call torch.distributed.init_process_group('gloo', rank=0, world_size=1, ...) "
             "first, and compile the step with the options it was saved with (data_parallel='zero1', ...). For a "
             "model passed to optpass.fully_shard, pass model=.")
-    require_complete(checkpoint_id, "load_sharded_checkpoint")
+    metadata = (require_complete(checkpoint_id, "load_sharded_checkpoint")
+                or dcp.FileSystemReader(checkpoint_id).read_metadata())
     sharded = _SHARDED.get(optimizer) or sharded_optimizer(optimizer, process_group, partition, bucket_bytes,
                                                           master_dtype=master_weights)
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     if model is not None:      # before the optimizer's template: each rank builds that for its pieces only
-        check_matches(checkpoint_id, {"model": model.state_dict()}, "load_sharded_checkpoint")
+        check_matches(checkpoint_id, metadata, {"model": model.state_dict()}, "load_sharded_checkpoint")
     with _quiet():
-        template, install = _template(sharded, metadata)
+        template, install = _template(sharded, metadata.state_dict_metadata)
         state = {OPTIMIZER_KEY: template}
         if model is not None:
             state["model"] = model.state_dict()
-        load_checked(expecting_extra(state, checkpoint_id), checkpoint_id, sharded.pg.group,
-                     "load_sharded_checkpoint")
+        extra = load_checked(state, checkpoint_id, metadata, sharded.pg.group, "load_sharded_checkpoint")
     if model is not None:
         model.load_state_dict(state["model"])
     install(state[OPTIMIZER_KEY])
     restore_param_groups(optimizer, state[OPTIMIZER_KEY]["param_groups"])
     sharded.sync_hyperparameters()          # every saved setting, not only lr (the step reads the shards')
     clear_failed_step(optimizer)
-    return loaded_extra(state)
+    return extra
 
 
 def _refuse_other_shapes(sharded: ShardedOptimizer, saved_keys: dict[int, dict[str, object]]) -> None:
@@ -247,7 +245,7 @@ def _refuse_other_shapes(sharded: ShardedOptimizer, saved_keys: dict[int, dict[s
                                "model. Nothing was loaded.")
         for key, md in entries.items():
             inner = key.partition(".")[2]
-            if inner and inner not in ("codes", "scale"):       # zero1 saves "<index>.<key>[.codes|.scale]"
+            if inner and inner not in low_bit_states.INNER_NAMES:    # zero1 saves "<index>.<key>[.codes|.scale]"
                 raise OptpassError(f"load_sharded_checkpoint: the checkpoint does not match: its optimizer state "
                                    f"{param}.{key!r} is named by parameter, as a fully sharded model's "
                                    "(optpass.fully_shard) is saved, not by index as a zero1 optimizer's: load it "
